@@ -1,0 +1,1 @@
+"""The benchmark: tasks, protocol, runner and report."""

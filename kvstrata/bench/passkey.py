@@ -1,0 +1,34 @@
+"""The single-needle passkey prompt: a number hidden at a chosen depth in a long haystack."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvstrata.bench.haystack import filler
+
+
+# Phrased so that base models (Gemma-3-270M) answer with the number, not a paraphrase.
+QUESTION = "\nWhat is the pass key? Answer with the number.\nThe pass key is"
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    context: str
+    question: str
+    answer: str
+    depth: float
+
+
+def passkey_prompt(tokenizer, n_tokens: int, depth: float = 0.5, seed: int = 0, haystack: str = "noise") -> PasskeyPrompt:
+    """A ~`n_tokens` context with the needle at relative `depth`, and the question asked after it."""
+    rng = random.Random(seed)
+    key = str(rng.randint(10000, 99999))
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    count = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    head = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+            "Find it and memorize it. I will quiz you about it.\n")
+    pieces = filler(haystack, n_tokens - count(head + needle) - 20, count, seed)
+    at = round(depth * len(pieces))
+    context = head + "".join(pieces[:at]) + needle + "".join(pieces[at:])
+    return PasskeyPrompt(context, QUESTION, key, depth)

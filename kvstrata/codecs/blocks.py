@@ -1,0 +1,46 @@
+"""Shared block plumbing for codecs: view the last dimension as blocks, pack sub-byte codes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_finite(x: torch.Tensor, codec: str) -> None:
+    """Codecs refuse NaN/Inf: a silently saturated KV entry is a wrong KV."""
+    if not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).sum().item()
+        raise ValueError(f"{codec}: input has {bad} non-finite value(s) (NaN/Inf); refusing to encode")
+
+
+def to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`x: [..., n]` -> float32 `[..., ceil(n / block), block]`, zero-padded at the end."""
+    n = x.shape[-1]
+    pad = (-n) % block
+    x = x.float()
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, block)
+
+
+def from_blocks(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of `to_blocks`: `[..., n_blocks, block]` -> `shape` (padding dropped)."""
+    flat = blocks.reshape(*blocks.shape[:-2], -1)
+    return flat[..., : shape[-1]].reshape(shape)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned `bits`-wide codes along the last dim, lowest element in the low bits."""
+    per_byte = 8 // bits
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
+    out = torch.zeros(c.shape[:-1], dtype=torch.uint8, device=codes.device)
+    for i in range(per_byte):
+        out |= c[..., i] << (bits * i)
+    return out
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: `[..., m]` uint8 -> `[..., m * 8 / bits]` uint8 codes."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)

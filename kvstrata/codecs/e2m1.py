@@ -1,0 +1,36 @@
+"""FP4 E2M1 element format: 1 sign, 2 exponent (bias 1), 1 mantissa bit; no Inf/NaN.
+
+Magnitudes of codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6. Rounding is to nearest with ties to the
+even code; magnitudes above 6 saturate to 6. Code 8 (-0) is never produced: zero is always +0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+
+# Midpoints between neighbouring magnitudes. A tie goes to the even code, i.e. down when the
+# lower neighbour's code is even (0.25, 1.25, 2.5, 5) and up otherwise (0.75, 1.75, 3.5).
+_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
+_TIES_UP = (0.75, 1.75, 3.5)
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """`x` float (already scaled) -> uint8 codes 0..15 (bit 3 = sign), same shape."""
+    a = x.abs()
+    mag = torch.zeros_like(a, dtype=torch.uint8)
+    for t in _TIES_DOWN:
+        mag += (a > t).to(torch.uint8)
+    for t in _TIES_UP:
+        mag += (a >= t).to(torch.uint8)
+    sign = ((x < 0) & (mag > 0)).to(torch.uint8) << 3
+    return mag | sign
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 -> float32 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8) > 0, -mag, mag)

@@ -1,0 +1,39 @@
+"""FP8 E4M3 with one float32 scale per block (per token when `block=0`), as V4.1 stores SWA KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvstrata.codecs.base import codec_spec
+from kvstrata.codecs.blocks import check_finite, from_blocks, to_blocks
+from kvstrata.codecs.qtensor import QTensor
+
+E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class FP8:
+    """`block`: elements sharing a scale along the last dim; 0 = the whole last dim (per token)."""
+
+    block: int = 0
+    name: ClassVar[str] = "fp8"
+    summary: ClassVar[str] = "FP8 E4M3, 8 bits per element + one fp32 scale per block (block=0: per token)"
+
+    def __post_init__(self):
+        if self.block < 0:
+            raise ValueError(f"fp8: block must be >= 0, got {self.block}")
+
+    def encode(self, x: torch.Tensor) -> QTensor:
+        check_finite(x, self.name)
+        b = to_blocks(x, self.block or x.shape[-1])
+        amax = b.abs().amax(-1)
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        codes = (b / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
+        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, {"codes": codes, "scales": scale})
+
+    def decode(self, q: QTensor) -> torch.Tensor:
+        values = q.parts["codes"].view(torch.float8_e4m3fn).float() * q.parts["scales"][..., None]
+        return from_blocks(values, q.shape)

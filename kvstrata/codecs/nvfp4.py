@@ -1,0 +1,51 @@
+"""NVFP4: 16 E2M1 elements share a positive E4M3 scale, plus one optional fp32 tensor scale.
+
+`block_scale = (block_amax / 6) / tensor_scale` cast (saturating) to E4M3, with
+`tensor_scale = amax / (448 * 6)` so the largest block scale lands on E4M3's maximum.
+9 bytes per 16 elements, plus 4 bytes per tensor when `tensor_scale=1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvstrata.codecs.base import codec_spec
+from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks, unpack_bits
+from kvstrata.codecs.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
+from kvstrata.codecs.fp8 import E4M3_MAX
+from kvstrata.codecs.qtensor import QTensor
+
+NV_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class NVFP4:
+    tensor_scale: bool = True
+    name: ClassVar[str] = "nvfp4"
+    summary: ClassVar[str] = "NVFP4: E2M1 + one E4M3 scale per 16 elements (+ fp32 tensor scale), 4.5 bits"
+
+    def encode(self, x: torch.Tensor) -> QTensor:
+        check_finite(x, self.name)
+        b = to_blocks(x, NV_BLOCK)
+        amax_block = b.abs().amax(-1)
+        ts = torch.ones((), dtype=torch.float32, device=x.device)
+        if self.tensor_scale:
+            amax = amax_block.amax() if amax_block.numel() else ts.new_zeros(())
+            ts = torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), ts).reshape(())
+        block_scale = (amax_block / E2M1_MAX / ts).to(torch.float8_e4m3fn)
+        eff = block_scale.float() * ts
+        scaled = torch.where(eff[..., None] > 0, b / eff.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
+        parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
+        if self.tensor_scale:
+            parts["tensor_scale"] = ts.reshape(1)
+        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, parts)
+
+    def decode(self, q: QTensor) -> torch.Tensor:
+        scale = q.parts["scales"].view(torch.float8_e4m3fn).float()
+        if "tensor_scale" in q.parts:
+            scale = scale * q.parts["tensor_scale"]
+        values = decode_e2m1(unpack_bits(q.parts["codes"], 4)) * scale[..., None]
+        return from_blocks(values, q.shape)

@@ -1,0 +1,56 @@
+"""The packed result of a codec: codes + scales, self-describing, with honest byte counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of storage actually held by `tensors` (shared storages counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor.
+
+    `parts` holds the stored tensors (e.g. `codes: [..., n_blocks, block_bytes] uint8`,
+    `scales: [..., n_blocks]`); leading dims equal the original tensor's leading dims, blocks run
+    along the original last dimension. `spec` names the codec with its parameters, so the tensor
+    can be decoded without outside context.
+    """
+
+    spec: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Decode back to a dense tensor of the original shape (and dtype unless given)."""
+        from kvstrata.codecs import get_codec
+
+        out = get_codec(self.spec).decode(self)
+        return out.to(dtype or self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Everything stored: codes, block scales, zero points, per-tensor scale."""
+        return held_bytes(self.parts.values())
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __repr__(self) -> str:
+        return f"QTensor(spec={self.spec!r}, shape={self.shape}, nbytes={self.nbytes})"

@@ -1,0 +1,188 @@
+"""A transformers `Cache` whose layers store K/V through any kvstrata codec.
+
+Built only on the public cache API (`Cache`, `CacheLayerMixin`): the model calls `update` per layer
+and attends over what it returns. The newest `r` tokens stay in full precision (KIVI residual);
+older ones are encoded. Sliding-window layers keep only their window. `nbytes()` counts the
+storage actually held, per layer and in total.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvstrata.codecs.qtensor import held_bytes
+from kvstrata.hf.segments import Segment, decode_segment, drop_front, encode_segment
+from kvstrata.methods import MethodSpec, StoreRecipe, parse_method
+
+
+class CompressedLayer(CacheLayerMixin):
+    """Full-attention layer: encoded segments + a full-precision tail of the newest tokens."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, recipe: StoreRecipe, **kwargs):
+        super().__init__()
+        self.recipe = recipe
+        self.segments: list[Segment] = []
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :].clone()  # the full-precision tail
+        self.values = value_states[..., :0, :].clone()
+        self.is_initialized = True
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything held, decoded: `[batch, kv_heads, stored_tokens, head_dim]` K and V."""
+        ks, vs = [], []
+        for seg in self.segments:
+            k, v = decode_segment(self.recipe, seg, self.dtype)
+            ks.append(k)
+            vs.append(v)
+        return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        past_k, past_v = self.dense()
+        self.cumulative_length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._flush()
+        self._trim()
+        # New tokens are attended in full precision now; later steps read them encoded.
+        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+
+    def _flush(self) -> None:
+        """Encode all but the newest `r` tail tokens, in whole key groups."""
+        group = self.recipe.key_group
+        n = self.keys.shape[-2] - self.recipe.r
+        n -= n % group
+        if n <= 0:
+            return
+        self.segments.append(encode_segment(self.recipe, self.keys[..., :n, :], self.values[..., :n, :]))
+        self.keys = self.keys[..., n:, :].clone()
+        self.values = self.values[..., n:, :].clone()
+
+    def _trim(self) -> None:
+        """Full-attention layers keep everything."""
+
+    def stored_tokens(self) -> int:
+        return sum(s.visible for s in self.segments) + (self.keys.shape[-2] if self.is_initialized else 0)
+
+    def nbytes(self) -> int:
+        """Bytes held: encoded segments (codes, scales) plus the full-precision tail."""
+        if not self.is_initialized:
+            return 0
+        tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
+        return held_bytes(tensors)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.segments = []
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.cumulative_length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("CompressedCache cannot be cropped: encoded tokens cannot be rolled back exactly")
+
+    def _map_batch(self, fn) -> None:
+        for seg in self.segments:
+            for q in (seg.keys, seg.values):
+                q.parts = {k: (t if k == "tensor_scale" else fn(t)) for k, t in q.parts.items()}
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
+
+
+class CompressedSlidingLayer(CompressedLayer):
+    """Sliding-window layer: keeps only the newest `sliding_window - 1` tokens (as transformers does)."""
+
+    is_sliding = True
+
+    def __init__(self, recipe: StoreRecipe, sliding_window: int, **kwargs):
+        super().__init__(recipe)
+        self.sliding_window = sliding_window
+
+    def _trim(self) -> None:
+        excess = self.stored_tokens() - (self.sliding_window - 1)
+        while excess > 0 and self.segments:
+            seg = self.segments[0]
+            kept = drop_front(self.recipe, seg, excess)
+            excess -= seg.visible - (kept.visible if kept else 0)
+            if kept is None:
+                self.segments.pop(0)
+            else:
+                self.segments[0] = kept
+        if excess > 0:  # the tail itself is longer than the window
+            self.keys = self.keys[..., excess:, :].clone()
+            self.values = self.values[..., excess:, :].clone()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        kept = min(self.cumulative_length, self.sliding_window - 1)
+        return kept + query_length, kv_offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+
+def layer_classes(config) -> list[tuple[str, int | None]]:
+    """Per decoder layer: ("full", None) or ("sliding", window), from a transformers config."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = text.num_hidden_layers
+    types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * n
+    out = []
+    for t in types[:n]:
+        if t in ("sliding_attention", "chunked_attention"):
+            out.append(("sliding", window if t == "sliding_attention" else text.attention_chunk_size))
+        elif t == "full_attention":
+            out.append(("full", None))
+        else:
+            raise ValueError(f"layer type {t!r} is not supported by CompressedCache")
+    return out
+
+
+class CompressedCache(Cache):
+    """`Cache` whose every layer encodes K/V with the recipe for its layer class."""
+
+    def __init__(self, config, method: str | MethodSpec = "bf16"):
+        self.method = parse_method(method) if isinstance(method, str) else method
+        layers: list[CacheLayerMixin] = []
+        for cls, window in layer_classes(config):
+            recipe = self.method.recipe(cls)
+            layers.append(CompressedSlidingLayer(recipe, window) if cls == "sliding" else CompressedLayer(recipe))
+        super().__init__(layers=layers)
+
+    def nbytes(self) -> dict:
+        """`{"layers": [bytes per layer], "total": bytes}`, measured from held tensors."""
+        per_layer = [layer.nbytes() for layer in self.layers]
+        return {"layers": per_layer, "total": sum(per_layer)}
+
+    def bytes_per_token(self) -> float:
+        """Stored bytes divided by the tokens the cache has seen."""
+        n = self.get_seq_length()
+        return self.nbytes()["total"] / n if n else 0.0

@@ -1,0 +1,67 @@
+"""Run a model over a compressed cache through public transformers APIs only."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.hf.cache import CompressedCache, layer_classes
+from kvstrata.methods import MethodSpec, parse_method
+
+
+def cache_kwarg(model) -> str:
+    """Name of the forward argument that takes the cache (`cache` from transformers 5.24 on)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 1) -> torch.Tensor:
+    """One forward pass appending `input_ids: [batch, tokens]` to `cache`; logits of the last
+    `logits_to_keep` positions: `[batch, logits_to_keep, vocab]`."""
+    with torch.inference_mode():
+        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
+    return out.logits
+
+
+def bf16_bytes_per_token(config, tokens: int) -> float:
+    """Reference: what an uncompressed bf16 cache of this model holds per token after `tokens` tokens
+    (sliding layers hold at most `window - 1`). The `bf16` method's measured bytes equal this."""
+    text = config.get_text_config(decoder=True)
+    per_layer_token = 2 * text.num_key_value_heads * getattr(text, "head_dim", text.hidden_size // text.num_attention_heads) * 2
+    held = sum(tokens if cls == "full" else min(tokens, window - 1) for cls, window in layer_classes(config))
+    return held * per_layer_token / tokens if tokens else 0.0
+
+
+@dataclass
+class Generation:
+    text: str
+    new_tokens: list[int]
+    context_tokens: int
+    kv_bytes: int
+    kv_bytes_per_token: float
+    kv_bytes_per_token_bf16: float
+
+
+def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpec, max_new_tokens: int = 32) -> Generation:
+    """Greedy `model.generate` over a `CompressedCache`; `prompt_ids: [1, tokens]`."""
+    spec = parse_method(method) if isinstance(method, str) else method
+    cache = CompressedCache(model.config, spec)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            **{cache_kwarg(model): cache},
+        )
+    new = out[0, prompt_ids.shape[1]:].tolist()
+    seen = cache.get_seq_length()
+    total = cache.nbytes()["total"]
+    return Generation(
+        text=tokenizer.decode(new, skip_special_tokens=True),
+        new_tokens=new,
+        context_tokens=prompt_ids.shape[1],
+        kv_bytes=total,
+        kv_bytes_per_token=total / seen if seen else 0.0,
+        kv_bytes_per_token_bf16=bf16_bytes_per_token(model.config, seen),
+    )

@@ -1,0 +1,124 @@
+"""Method specs: strings users type (`nvfp4:r=64`, `int2:group=32,r=128`, `nvfp4;sliding=fp8`).
+
+Grammar::
+
+    spec      := recipe (";" class "=" recipe)*      class in {full, sliding}
+    recipe    := component ("+" component)*
+    component := name [":" key=value ("," key=value)*]
+
+The first recipe applies to every layer; `full=` / `sliding=` override one class of layers
+(V4.1 keeps global KV in FP4 and sliding-window KV in FP8: `nvfp4;sliding=fp8`). One registry
+(`METHODS`) resolves names; each entry says its stratum and its own parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvstrata.codecs import CODECS, coerce_params, get_codec, split_spec
+from kvstrata.codecs.base import codec_spec
+
+LAYER_CLASSES = ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class StoreRecipe:
+    """How one class of layers stores K/V.
+
+    codec: canonical element-codec spec; r: most recent tokens kept in full precision (KIVI
+    residual, 0 allowed); key_axis: "token" (scales per token, along head_dim) or "channel"
+    (KIVI keys: groups run along tokens, so tokens are encoded `group` at a time).
+    """
+
+    codec: str = "bf16"
+    r: int = 0
+    key_axis: str = "token"
+
+    @property
+    def key_group(self) -> int:
+        """Tokens encoded together for keys (1 unless keys are grouped per channel)."""
+        return getattr(get_codec(self.codec), "group", 1) if self.key_axis == "channel" else 1
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    name: str
+    stratum: str
+    summary: str
+    defaults: dict = field(default_factory=dict)  # method-level parameter defaults (besides the codec's)
+
+
+def _codec_entry(name: str) -> MethodEntry:
+    cls = CODECS[name]
+    integer = name.startswith("int")
+    defaults = {"r": 128, "keys": "channel"} if integer else {"r": 0, "keys": "token"}
+    return MethodEntry(name, "store", cls.summary, defaults)
+
+
+METHODS: dict[str, MethodEntry] = {name: _codec_entry(name) for name in CODECS}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed method: one recipe per layer class."""
+
+    text: str
+    full: StoreRecipe
+    sliding: StoreRecipe
+
+    def recipe(self, layer_class: str) -> StoreRecipe:
+        return self.sliding if layer_class == "sliding" else self.full
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _parse_component(text: str) -> StoreRecipe:
+    name, params = split_spec(text)
+    if not name:
+        raise ValueError(f"empty method name in {text!r}")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r} in {text!r} (known: {', '.join(METHODS)})")
+    entry = METHODS[name]
+    r = params.pop("r", str(entry.defaults.get("r", 0)))
+    keys = params.pop("keys", entry.defaults.get("keys", "token"))
+    try:
+        r_int = int(r)
+    except ValueError:
+        raise ValueError(f"{name}: parameter r={r!r} is not an integer") from None
+    if r_int < 0:
+        raise ValueError(f"{name}: parameter r must be >= 0, got {r_int}")
+    if keys not in ("token", "channel"):
+        raise ValueError(f"{name}: parameter keys must be 'token' or 'channel', got {keys!r}")
+    cls = CODECS[name]
+    codec = cls(**coerce_params(cls, params, f"method {name}"))
+    if keys == "channel" and not hasattr(codec, "group"):
+        raise ValueError(f"{name}: keys=channel needs a grouped integer codec")
+    return StoreRecipe(codec_spec(codec), r_int, keys)
+
+
+def _parse_recipe(text: str) -> StoreRecipe:
+    parts = [p.strip() for p in text.split("+")]
+    if any(not p for p in parts):
+        raise ValueError(f"empty component in {text!r}")
+    recipes = [_parse_component(p) for p in parts]
+    stores = [r for r in recipes]
+    if len(stores) > 1:
+        raise ValueError(f"{text!r} combines {len(stores)} element codecs; a recipe takes at most one")
+    return recipes[0]
+
+
+def parse_method(text: str) -> MethodSpec:
+    """Parse a method spec string; raises ValueError naming what is wrong."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("method spec is empty")
+    chunks = [c.strip() for c in text.split(";")]
+    base = _parse_recipe(chunks[0])
+    per_class = {"full": base, "sliding": base}
+    for chunk in chunks[1:]:
+        cls, eq, recipe = chunk.partition("=")
+        cls = cls.strip().lower()
+        if not eq or cls not in LAYER_CLASSES:
+            raise ValueError(f"{chunk!r}: expected <class>=<recipe> with class in {LAYER_CLASSES}")
+        per_class[cls] = _parse_recipe(recipe)
+    return MethodSpec(text.strip(), per_class["full"], per_class["sliding"])

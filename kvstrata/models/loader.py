@@ -1,0 +1,95 @@
+"""`load(name_or_path)`: (model, tokenizer) for a known real model or a local HF directory.
+
+A known model's GGUF is dequantized once into a safetensors copy under the cache directory
+(`KVSTRATA_CACHE`, default `~/.cache/kvstrata`); later loads read that copy. Nothing touches a hub.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+
+from kvstrata.models.registry import KNOWN_MODELS
+
+COMPLETE_MARK = "kvstrata-converted.ok"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSTRATA_CACHE", Path.home() / ".cache" / "kvstrata"))
+
+
+def set_threads() -> None:
+    """Use every core for torch's CPU kernels."""
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+def converted_path(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def _convert(name: str) -> Path:
+    """Dequantize the GGUF once into safetensors; atomic: a half-written copy is never used."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    known = KNOWN_MODELS[name]
+    target = converted_path(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    gguf = known.gguf_path(cache_dir() / "gguf")
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # transformers marks GGUF-loaded models as quantized and refuses save_pretrained, although
+        # the weights are already dequantized: write config + safetensors ourselves.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
+        (tmp / COMPLETE_MARK).write_text(str(gguf))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve(name_or_path: str) -> Path:
+    """Directory to load from: a converted known model (converting on first use) or a local dir."""
+    key = name_or_path.lower()
+    if key in KNOWN_MODELS:
+        path = converted_path(key)
+        if not (path / COMPLETE_MARK).exists():
+            path = _convert(key)
+        return path
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").exists():
+        known = ", ".join(KNOWN_MODELS)
+        raise FileNotFoundError(
+            f"{name_or_path!r} is neither a known model ({known}) nor a local model directory with config.json"
+        )
+    return path
+
+
+def load(name_or_path: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) in eval mode; offline only."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    set_threads()
+    path = resolve(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model.eval()
+    return model, tok

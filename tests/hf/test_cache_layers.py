@@ -1,0 +1,96 @@
+"""Residual window, sliding windows, KIVI axes and per-layer-class codecs."""
+
+import pytest
+import torch
+
+from kvstrata.codecs import get_codec
+from kvstrata.hf import CompressedCache
+from kvstrata.hf.cache import CompressedLayer, CompressedSlidingLayer
+from kvstrata.hf.run import forward
+from kvstrata.methods import parse_method
+
+
+def kv(n, heads=2, dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, heads, n, dim, generator=g), torch.randn(1, heads, n, dim, generator=g)
+
+
+@pytest.mark.parametrize("r", [0, 1, 7, 64])
+def test_residual_tokens_stay_exact(r):
+    layer = CompressedLayer(parse_method(f"mxfp4:r={r}").full)
+    k, v = kv(20)
+    layer.update(k[..., :13, :], v[..., :13, :])
+    layer.update(k[..., 13:, :], v[..., 13:, :])
+    dk, dv = layer.dense()
+    kept = min(r, 20)
+    assert layer.keys.shape[-2] == kept
+    if kept:
+        assert torch.equal(dk[..., -kept:, :], k[..., -kept:, :])
+    enc = 20 - kept
+    if enc:
+        assert not torch.equal(dk[..., :enc, :], k[..., :enc, :])
+        torch.testing.assert_close(dk[..., :enc, :], get_codec("mxfp4").encode(k[..., :enc, :]).dequantize())
+
+
+def test_update_returns_new_tokens_in_full_precision():
+    layer = CompressedLayer(parse_method("int2:r=0,group=8").full)
+    k, v = kv(16)
+    rk, rv = layer.update(k, v)
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+
+
+def test_kivi_axes_keys_per_channel_values_per_token():
+    recipe = parse_method("int2:group=8,r=0").full
+    assert recipe.key_axis == "channel" and recipe.key_group == 8
+    layer = CompressedLayer(recipe)
+    k, v = kv(21)
+    layer.update(k, v)
+    # 16 tokens encoded (two key groups along tokens), 5 wait in full precision
+    assert layer.keys.shape[-2] == 5
+    seg = layer.segments[0]
+    assert seg.keys.shape == (1, 2, 32, 16)  # transposed: groups run along tokens
+    assert seg.values.shape == (1, 2, 16, 32)
+    assert parse_method("int2:group=8,r=0,keys=token").full.key_group == 1
+
+
+@pytest.mark.parametrize("spec", ["fp8", "nvfp4:r=3", "int2:group=8,r=2", "mxfp4:r=40"])
+def test_sliding_layer_keeps_only_its_window(spec):
+    window = 16
+    layer = CompressedSlidingLayer(parse_method(spec).full, window)
+    k, v = kv(50)
+    full_k = []
+    for i in range(0, 50, 7):
+        rk, _ = layer.update(k[..., i : i + 7, :], v[..., i : i + 7, :])
+        seen = min(i + 7, 50)
+        assert layer.stored_tokens() == min(seen, window - 1)
+        kv_len, offset = layer.get_mask_sizes(1)
+        assert kv_len == layer.stored_tokens() + 1 and offset == max(seen - window + 1, 0)
+        full_k.append(rk)
+    # what is returned for attention ends with the newest keys exactly
+    assert torch.equal(full_k[-1][..., -1:, :], k[..., 49:50, :])
+    dk, _ = layer.dense()
+    assert dk.shape[-2] == window - 1
+    torch.testing.assert_close(dk, k[..., -(window - 1) :, :], atol=1.5, rtol=0)  # encoded, but the right tokens
+
+
+def test_sliding_layer_frees_memory():
+    layer = CompressedSlidingLayer(parse_method("fp8").full, 16)
+    k, v = kv(400)
+    layer.update(k, v)
+    small = CompressedSlidingLayer(parse_method("fp8").full, 16)
+    small.update(k[..., -15:, :], v[..., -15:, :])
+    assert layer.nbytes() == small.nbytes()
+
+
+def test_per_layer_class_codecs(tiny_gemma):
+    cache = CompressedCache(tiny_gemma.config, "nvfp4;sliding=fp8:r=2")
+    forward(tiny_gemma, torch.randint(0, 256, (1, 30)), cache)
+    specs = [(layer.is_sliding, layer.segments[0].keys.spec, layer.recipe.r) for layer in cache.layers]
+    assert specs == [(True, "fp8", 2), (True, "fp8", 2), (False, "nvfp4", 0), (True, "fp8", 2)]
+
+
+def test_cache_cannot_be_cropped_silently(tiny_llama):
+    cache = CompressedCache(tiny_llama.config, "fp8")
+    forward(tiny_llama, torch.randint(0, 256, (1, 10)), cache)
+    with pytest.raises(NotImplementedError):
+        cache.crop(-2)

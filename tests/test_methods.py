@@ -1,0 +1,41 @@
+import pytest
+
+from kvstrata.methods import parse_method
+
+
+def test_defaults_and_params():
+    m = parse_method("nvfp4:r=64")
+    assert m.full.codec == "nvfp4" and m.full.r == 64 and m.full == m.sliding
+    k = parse_method("int2:group=32,r=128")
+    assert (k.full.codec, k.full.r, k.full.key_axis) == ("int2", 128, "channel")
+    assert parse_method("int4").full.r == 128  # KIVI default residual
+    assert parse_method("fp8:block=32").full.codec == "fp8:block=32"
+
+
+def test_layer_class_overrides():
+    m = parse_method("nvfp4;sliding=fp8")
+    assert m.full.codec == "nvfp4" and m.sliding.codec == "fp8"
+    m = parse_method("bf16; full=mxfp4:r=16")
+    assert m.full.codec == "mxfp4" and m.full.r == 16 and m.sliding.codec == "bf16"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "empty"),
+        ("fp5", "unknown method 'fp5'"),
+        ("nvfp4:r=-1", "r must be >= 0"),
+        ("nvfp4:r=x", "not an integer"),
+        ("nvfp4:q=1", "unknown parameter 'q'"),
+        ("nvfp4:r", "key=value"),
+        ("nvfp4:r=1,r=2", "given twice"),
+        ("nvfp4;global=fp8", "class"),
+        ("nvfp4+", "empty component"),
+        ("nvfp4+fp8", "at most one"),
+        ("fp8:keys=channel", "grouped integer"),
+        ("int4:keys=diagonal", "'token' or 'channel'"),
+    ],
+)
+def test_bad_specs_are_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)
