@@ -1,0 +1,42 @@
+import json
+
+import pytest
+
+from kvstrata.cli import main
+from kvstrata.models.tiny import save_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("m") / "tiny-llama", "llama"))
+
+
+def test_generate_json(tiny_dir, capsys):
+    assert main(["generate", "--model", tiny_dir, "--method", "mxfp4", "--prompt", "hello there", "--max-new-tokens", "4", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    for key in ("text", "method", "model", "context_tokens", "kv_bytes_per_token", "kv_bytes_per_token_bf16"):
+        assert key in row
+    assert row["method"] == "mxfp4" and row["context_tokens"] == 11
+    # tiny llama: 4 layers x 2 x 2 heads x 32 dims -> bf16 1024 B/token, mxfp4 4 x 2 x 2 x 17 = 272
+    assert row["kv_bytes_per_token_bf16"] == 1024 and row["kv_bytes_per_token"] == 272
+
+
+def test_generate_text_and_prompt_file(tiny_dir, tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("abc")
+    assert main(["generate", "--model", tiny_dir, "--prompt-file", str(f), "--max-new-tokens", "2"]) == 0
+    assert "B/token" in capsys.readouterr().err
+
+
+def test_bad_method_fails_before_loading(capsys):
+    assert main(["generate", "--model", "/nonexistent", "--method", "fp5", "--prompt", "x"]) == 2
+    assert "unknown method 'fp5'" in capsys.readouterr().err
+
+
+def test_methods_and_models_list(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in ("bf16", "fp8", "mxfp4", "nvfp4", "int4", "int2"):
+        assert name in out
+    assert main(["models"]) == 0
+    assert "smollm2-135m" in capsys.readouterr().out
