@@ -78,6 +78,57 @@ def _cmd_passkey(args) -> int:
     return 0
 
 
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _cmd_bench(args) -> int:
+    from kvstrata.bench.report import write_report
+    from kvstrata.bench.runner import DEFAULT_METHODS, QUICK, BenchConfig, run
+    from kvstrata.bench.tasks import TASKS
+    from kvstrata.methods import parse_method
+
+    q = QUICK if args.quick else {}
+    methods = _split_methods(args.methods) if args.methods else q.get("methods", DEFAULT_METHODS)
+    for m in methods:
+        parse_method(m)  # fail before any model loads
+    cfg = BenchConfig(
+        models=_csv(args.model) if args.model else q.get("models", ("smollm2-135m",)),
+        lengths=tuple(int(x) for x in _csv(args.lengths)) if args.lengths else q.get("lengths", (2048,)),
+        tasks=_csv(args.tasks) if args.tasks else TASKS,
+        methods=tuple(methods),
+        n=args.n if args.n is not None else q.get("n", 20),
+        seed=args.seed,
+        haystack=args.haystack,
+        out=Path(args.out),
+    )
+    path = run(cfg)
+    print(f"results: {path}")
+    print(f"report:  {write_report(cfg.out)}")
+    return 0
+
+
+def _split_methods(text: str) -> list[str]:
+    """Methods are comma-separated, but a spec has commas too: split only before a method name."""
+    from kvstrata.methods import METHODS
+
+    out: list[str] = []
+    for piece in text.split(","):
+        name = piece.split(":")[0].split("+")[0].split(";")[0].strip().lower()
+        if out and name not in METHODS:
+            out[-1] += "," + piece
+        else:
+            out.append(piece.strip())
+    return out
+
+
+def _cmd_report(args) -> int:
+    from kvstrata.bench.report import write_report
+
+    print(write_report(Path(args.dir)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -99,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--depth", type=float, default=0.5)
     pk.add_argument("--seed", type=int, default=0)
     pk.set_defaults(func=_cmd_passkey)
+
+    b = sub.add_parser("bench", help="run the benchmark (resumable) and write its report")
+    b.add_argument("--model", help="comma-separated models (default smollm2-135m)")
+    b.add_argument("--methods", help="comma-separated method specs (default: the first table's methods)")
+    b.add_argument("--tasks", help="comma-separated tasks: single,multikey,multivalue,multiquery,vartrack,fidelity")
+    b.add_argument("--lengths", help="comma-separated context lengths in tokens (default 2048)")
+    b.add_argument("--n", type=int, help="instances per task and length (default 20)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--haystack", default="noise", choices=("noise", "natural"))
+    b.add_argument("--out", default="runs/bench")
+    b.add_argument("--quick", action="store_true", help="SmolLM2-135M, 2k, 2 instances per task, 7 methods (< 10 min)")
+    b.set_defaults(func=_cmd_bench)
+
+    rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
+    rp.add_argument("dir")
+    rp.set_defaults(func=_cmd_report)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)

@@ -13,10 +13,11 @@ The first recipe applies to every layer; `full=` / `sliding=` override one class
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstrata.codecs import CODECS, coerce_params, get_codec, split_spec
 from kvstrata.codecs.base import codec_spec
+from kvstrata.keep import KEEP_POLICIES
 
 LAYER_CLASSES = ("full", "sliding")
 
@@ -33,6 +34,15 @@ class StoreRecipe:
     codec: str = "bf16"
     r: int = 0
     key_axis: str = "token"
+    keep: str | None = None  # canonical keep-policy spec, applied to the context after prefill
+
+    def keep_policy(self):
+        """The keep policy instance, or None when every token is kept."""
+        if self.keep is None:
+            return None
+        name, params = split_spec(self.keep)
+        cls = KEEP_POLICIES[name]
+        return cls(**coerce_params(cls, params, f"method {name}"))
 
     @property
     def key_group(self) -> int:
@@ -56,6 +66,7 @@ def _codec_entry(name: str) -> MethodEntry:
 
 
 METHODS: dict[str, MethodEntry] = {name: _codec_entry(name) for name in CODECS}
+METHODS.update({name: MethodEntry(name, "keep", cls.summary) for name, cls in KEEP_POLICIES.items()})
 
 
 @dataclass(frozen=True)
@@ -73,13 +84,21 @@ class MethodSpec:
         return self.text
 
 
-def _parse_component(text: str) -> StoreRecipe:
+def _parse_keep(name: str, params: dict[str, str]) -> str:
+    cls = KEEP_POLICIES[name]
+    return codec_spec(cls(**coerce_params(cls, params, f"method {name}")))
+
+
+def _parse_component(text: str) -> StoreRecipe | str:
+    """A store component -> StoreRecipe; a keep component -> its canonical spec string."""
     name, params = split_spec(text)
     if not name:
         raise ValueError(f"empty method name in {text!r}")
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r} in {text!r} (known: {', '.join(METHODS)})")
     entry = METHODS[name]
+    if entry.stratum == "keep":
+        return _parse_keep(name, params)
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     try:
@@ -101,11 +120,15 @@ def _parse_recipe(text: str) -> StoreRecipe:
     parts = [p.strip() for p in text.split("+")]
     if any(not p for p in parts):
         raise ValueError(f"empty component in {text!r}")
-    recipes = [_parse_component(p) for p in parts]
-    stores = [r for r in recipes]
+    parsed = [_parse_component(p) for p in parts]
+    stores = [r for r in parsed if isinstance(r, StoreRecipe)]
+    keeps = [r for r in parsed if isinstance(r, str)]
     if len(stores) > 1:
         raise ValueError(f"{text!r} combines {len(stores)} element codecs; a recipe takes at most one")
-    return recipes[0]
+    if len(keeps) > 1:
+        raise ValueError(f"{text!r} combines {len(keeps)} keep policies; a recipe takes at most one")
+    store = stores[0] if stores else StoreRecipe()
+    return replace(store, keep=keeps[0]) if keeps else store
 
 
 def parse_method(text: str) -> MethodSpec:

@@ -34,3 +34,18 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
     mag = table[(codes & 7).long()]
     return torch.where((codes & 8) > 0, -mag, mag)
+
+
+def _pair_table() -> torch.Tensor:
+    """`[256, 2]` float32: the two E2M1 values packed in each byte (low nibble first)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    return torch.stack([decode_e2m1(codes & 15), decode_e2m1(codes >> 4)], dim=-1)
+
+
+_PAIRS = _pair_table()
+
+
+def decode_e2m1_packed(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 `[..., m]` (two codes per byte, low nibble first) -> float32 `[..., 2m]`, one lookup."""
+    table = _PAIRS if _PAIRS.device == packed.device else _PAIRS.to(packed.device)
+    return table[packed.long()].reshape(*packed.shape[:-1], -1)

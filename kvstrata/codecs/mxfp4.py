@@ -8,8 +8,8 @@ from typing import ClassVar
 import torch
 
 from kvstrata.codecs.base import codec_spec
-from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks, unpack_bits
-from kvstrata.codecs.e2m1 import decode_e2m1, encode_e2m1
+from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks
+from kvstrata.codecs.e2m1 import decode_e2m1_packed, encode_e2m1
 from kvstrata.codecs.qtensor import QTensor
 
 MX_BLOCK = 32
@@ -45,5 +45,5 @@ class MXFP4:
 
     def decode(self, q: QTensor) -> torch.Tensor:
         scale = pow2(q.parts["scales"].to(torch.int32) - E8M0_BIAS)
-        values = decode_e2m1(unpack_bits(q.parts["codes"], 4)) * scale[..., None]
+        values = decode_e2m1_packed(q.parts["codes"]) * scale[..., None]
         return from_blocks(values, q.shape)

@@ -13,8 +13,8 @@ from typing import ClassVar
 import torch
 
 from kvstrata.codecs.base import codec_spec
-from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks, unpack_bits
-from kvstrata.codecs.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1
+from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks
+from kvstrata.codecs.e2m1 import E2M1_MAX, decode_e2m1_packed, encode_e2m1
 from kvstrata.codecs.fp8 import E4M3_MAX
 from kvstrata.codecs.qtensor import QTensor
 
@@ -47,5 +47,5 @@ class NVFP4:
         scale = q.parts["scales"].view(torch.float8_e4m3fn).float()
         if "tensor_scale" in q.parts:
             scale = scale * q.parts["tensor_scale"]
-        values = decode_e2m1(unpack_bits(q.parts["codes"], 4)) * scale[..., None]
+        values = decode_e2m1_packed(q.parts["codes"]) * scale[..., None]
         return from_blocks(values, q.shape)

@@ -47,14 +47,44 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        first = self.cumulative_length == 0
         past_k, past_v = self.dense()
         self.cumulative_length += key_states.shape[-2]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        if first:  # the context prefill: the keep policy acts once, after it
+            self._keep(scores=None)
         self._flush()
         self._trim()
         # New tokens are attended in full precision now; later steps read them encoded.
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+
+    def load_prefill(self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores: torch.Tensor | None = None):
+        """Fill an empty layer from a prefilled context: `keys, values: [batch, kv_heads, n, head_dim]`
+        (what a dense cache holds after `seen` tokens), `scores: [batch, kv_heads, n]` for keep
+        policies that need attention. Equivalent to `update` with the whole context."""
+        if self.cumulative_length:
+            raise RuntimeError("load_prefill needs an empty layer")
+        self.lazy_initialization(keys, values)
+        self.cumulative_length = seen
+        self.keys, self.values = keys, values
+        self._keep(scores)
+        self._flush()
+        self._trim()
+
+    def _keep(self, scores: torch.Tensor | None) -> None:
+        """Apply the recipe's keep policy to the tail (full-attention layers only)."""
+        policy = self.recipe.keep_policy()
+        if policy is None or self.is_sliding:
+            return
+        if policy.needs_scores and scores is None:
+            raise ValueError(
+                f"{policy.name} needs observation-window attention scores; fill the cache with "
+                "kvstrata.bench.protocol (prefill + load_prefill) instead of a plain forward"
+            )
+        idx = policy.select(self.keys, scores)[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, idx)
+        self.values = self.values.gather(2, idx)
 
     def _flush(self) -> None:
         """Encode all but the newest `r` tail tokens, in whole key groups."""
@@ -81,7 +111,10 @@ class CompressedLayer(CacheLayerMixin):
         return held_bytes(tensors)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        # Evicted tokens shift the kept ones right: kept entries sit just before the queries, so
+        # causality among the new tokens holds while positions (RoPE) continue from the full length.
+        stored = self.stored_tokens()
+        return stored + query_length, self.cumulative_length - stored
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -116,7 +149,8 @@ class CompressedLayer(CacheLayerMixin):
 
 
 class CompressedSlidingLayer(CompressedLayer):
-    """Sliding-window layer: keeps only the newest `sliding_window - 1` tokens (as transformers does)."""
+    """Sliding-window layer: keeps only the newest `sliding_window - 1` tokens (as transformers does).
+    Keep policies do not apply here: the window already bounds what is held."""
 
     is_sliding = True
 
@@ -181,6 +215,14 @@ class CompressedCache(Cache):
         """`{"layers": [bytes per layer], "total": bytes}`, measured from held tensors."""
         per_layer = [layer.nbytes() for layer in self.layers]
         return {"layers": per_layer, "total": sum(per_layer)}
+
+    def load_prefill(self, layers: list[tuple[torch.Tensor, torch.Tensor, int]], scores: list | None = None) -> None:
+        """Fill from a prefilled dense cache: per layer `(keys, values, tokens_seen)` and optional
+        per-layer keep scores `[batch, kv_heads, n]`."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"load_prefill got {len(layers)} layers, the model has {len(self.layers)}")
+        for i, (layer, (k, v, seen)) in enumerate(zip(self.layers, layers)):
+            layer.load_prefill(k, v, seen, scores[i] if scores is not None else None)
 
     def bytes_per_token(self) -> float:
         """Stored bytes divided by the tokens the cache has seen."""

@@ -11,7 +11,7 @@ from kvstrata.models.tiny import byte_tokenizer
 
 # mean |logit error| allowed after decoding over an encoded cache (tiny random models)
 TOL = {"bf16": 0.01, "fp8": 0.05, "int4": 0.1, "nvfp4": 0.2, "mxfp4": 0.2, "int2": 0.5}
-METHOD_SPECS = [f"{name}:r=0" if name.startswith("int") else name for name in METHODS]
+METHOD_SPECS = [f"{n}:r=0" if n.startswith("int") else n for n, e in METHODS.items() if e.stratum == "store"]
 
 
 def run(model, cache, ids, prefill):

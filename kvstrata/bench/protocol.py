@@ -1,0 +1,136 @@
+"""The benchmark protocol: context first, question after.
+
+The context is prefilled once (full precision, as every method prefills), with the context's last
+`window` queries run with attention probabilities returned for keep policies such as SnapKV. Each
+method then builds its cache from that prefill (keep policy, then encoding), the question is fed
+and the answer decoded greedily reading only the method's cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvstrata.bench.tasks import Question
+from kvstrata.hf import CompressedCache
+from kvstrata.hf.run import cache_kwarg, forward
+from kvstrata.keep import window_scores
+from kvstrata.methods import MethodSpec
+
+
+@dataclass
+class Prefill:
+    """A prefilled context: per layer `(keys, values, seen)`, keep scores, the dense cache itself."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor, int]]
+    scores: list[torch.Tensor | None]
+    dense: DynamicCache
+    tokens: int
+    seconds: float
+
+
+def prefill(model, ids: torch.Tensor, window: int = 32) -> Prefill:
+    """Prefill `ids: [1, n]`; the last `window` tokens run with eager attention to expose scores."""
+    cache = DynamicCache(config=model.config)
+    n = ids.shape[1]
+    w = min(window, n - 1)
+    t0 = time.perf_counter()
+    forward(model, ids[:, : n - w], cache)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids[:, n - w :], use_cache=True, output_attentions=True, logits_to_keep=1,
+                        **{cache_kwarg(model): cache})
+    finally:
+        model.set_attn_implementation(previous)
+    seconds = time.perf_counter() - t0
+    kv_heads = model.config.get_text_config().num_key_value_heads
+    layers, scores = [], []
+    for layer, attn in zip(cache.layers, out.attentions):
+        seen = getattr(layer, "cumulative_length", layer.keys.shape[-2])
+        layers.append((layer.keys, layer.values, seen))
+        full = not getattr(layer, "is_sliding", False)
+        scores.append(window_scores(attn, kv_heads) if full and attn.shape[-1] == n else None)
+    return Prefill(layers, scores, cache, n, seconds)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_cache(model, pre: Prefill, spec: MethodSpec) -> tuple[CompressedCache, float]:
+    t0 = time.perf_counter()
+    cache = CompressedCache(model.config, spec)
+    cache.load_prefill(pre.layers, pre.scores)
+    return cache, time.perf_counter() - t0
+
+
+def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) -> dict:
+    """Answer `question` from `spec`'s cache of the prefilled context; output text and costs."""
+    cache, compress_s = build_cache(model, pre, spec)
+    kv_bytes = cache.nbytes()["total"]
+    q_ids = tokenizer(question.text, add_special_tokens=False, return_tensors="pt").input_ids
+    t0 = time.perf_counter()
+    logits = forward(model, q_ids, cache)
+    question_s = time.perf_counter() - t0
+    new: list[int] = []
+    read: list[int] = []
+    t0 = time.perf_counter()
+    eos = tokenizer.eos_token_id
+    for _ in range(question.max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        new.append(nxt)
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        if nxt == eos or _answer_ended(text):
+            break
+        read.append(cache.nbytes()["total"])  # dense attention reads every entry held
+        logits = forward(model, torch.tensor([[nxt]]), cache)
+    steps = max(len(read), 1)
+    return {
+        "output": tokenizer.decode(new, skip_special_tokens=True),
+        "kv_bytes": kv_bytes,
+        "compress_s": compress_s,
+        "question_s": question_s,
+        "decode_s_per_token": (time.perf_counter() - t0) / steps if read else None,
+        "bytes_read_per_step": sum(read) / steps if read else kv_bytes,
+    }
+
+
+def _answer_ended(text: str) -> bool:
+    """Answers are one sentence: stop at a newline or a full stop once something was said."""
+    body = text.strip()
+    return bool(body) and ("\n" in text.lstrip() or body.endswith("."))
+
+
+def reference_logits(model, pre: Prefill, cont_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token logits over the continuation with the uncompressed (dense fp32) cache."""
+    return forward(model, cont_ids, copy.deepcopy(pre.dense), logits_to_keep=cont_ids.shape[1])[0]
+
+
+def fidelity(model, pre: Prefill, spec: MethodSpec, cont_ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    """KL(ref || method), top-1 agreement and perplexity on a teacher-forced continuation."""
+    cache, compress_s = build_cache(model, pre, spec)
+    kv_bytes = cache.nbytes()["total"]
+    t0 = time.perf_counter()
+    got = forward(model, cont_ids, cache, logits_to_keep=cont_ids.shape[1])[0]
+    seconds = time.perf_counter() - t0
+    # position i predicts token i+1 of the continuation
+    lp_ref = torch.log_softmax(ref[:-1].float(), -1)
+    lp = torch.log_softmax(got[:-1].float(), -1)
+    target = cont_ids[0, 1:]
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(-1).mean().item()
+    top1 = (lp.argmax(-1) == lp_ref.argmax(-1)).float().mean().item()
+    nll = -lp.gather(-1, target[:, None]).mean().item()
+    ref_nll = -lp_ref.gather(-1, target[:, None]).mean().item()
+    return {
+        "kl": kl, "top1": top1, "ppl": float(torch.tensor(nll).exp()), "ref_ppl": float(torch.tensor(ref_nll).exp()),
+        "kv_bytes": kv_bytes, "compress_s": compress_s, "question_s": seconds, "decode_s_per_token": None,
+        "bytes_read_per_step": kv_bytes,
+    }

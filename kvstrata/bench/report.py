@@ -1,0 +1,192 @@
+"""`kvstrata report DIR`: Markdown tables, PNG plots and one self-contained HTML page from results.jsonl."""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL
+
+FAMILY_COLOURS = {"reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
+                  "eviction+quant": "tab:green", "depth": "tab:purple", "sparse-read": "tab:red", "peer": "tab:gray"}
+USABLE = 0.5  # a task the uncompressed reference scores below this on is not used to rank methods
+
+
+def load_rows(out: Path) -> list[dict]:
+    rows = []
+    for line in (out / "results.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _avg(values):
+    values = [v for v in values if v is not None]
+    return mean(values) if values else None
+
+
+def summarise(rows: list[dict]) -> dict:
+    """{(model, length): {"methods": {method: summary}, "usable": {task: bool}, "tasks": [...]}}"""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["model"], r["length"])].append(r)
+    out = {}
+    for key, rs in sorted(groups.items()):
+        tasks = sorted({r["task"] for r in rs}, key=lambda t: (RETRIEVAL + REASONING + FIDELITY).index(t))
+        ref = [r for r in rs if r["method"] == "bf16"]
+        usable = {t: (_avg([r["score"] for r in ref if r["task"] == t]) or 0) >= USABLE for t in tasks if t not in FIDELITY}
+        methods = {}
+        for m in dict.fromkeys(r["method"] for r in rs):
+            mr = [r for r in rs if r["method"] == m]
+            per_task = {t: _avg([r["score"] for r in mr if r["task"] == t]) for t in tasks}
+            ranked = [per_task[t] for t in tasks if t in RETRIEVAL and usable.get(t)]
+            fid = [r for r in mr if r["task"] in FIDELITY]
+            methods[m] = {
+                "family": mr[0]["family"],
+                "n": len(mr),
+                "kv_bytes_per_token": _avg([r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY] or
+                                           [r["kv_bytes_per_token"] for r in mr]),
+                "compression": _avg([r["compression"] for r in mr]),
+                "retrieval": _avg(ranked),
+                "per_task": per_task,
+                "fail_retrieval": sum(r["failure"] == "retrieval" for r in mr),
+                "fail_reasoning": sum(r["failure"] == "reasoning" for r in mr),
+                "kl": _avg([r.get("kl") for r in fid]),
+                "top1": _avg([r.get("top1") for r in fid]),
+                "ppl_change": _avg([r["ppl"] / r["ref_ppl"] - 1 for r in fid]) if fid else None,
+                "bytes_read_per_step": _avg([r["bytes_read_per_step"] for r in mr if r["task"] not in FIDELITY]),
+                "prefill_s": _avg([r["prefill_s"] for r in mr]),
+                "compress_s": _avg([r["compress_s"] for r in mr]),
+                "decode_s_per_token": _avg([r["decode_s_per_token"] for r in mr]),
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in mr),
+            }
+        out[key] = {"methods": methods, "usable": usable, "tasks": tasks, "n": max(_count(rs, t) for t in tasks)}
+    return out
+
+
+def _count(rs, task):
+    return len({r["index"] for r in rs if r["task"] == task})
+
+
+def _f(v, fmt="{:.2f}"):
+    return "–" if v is None else fmt.format(v)
+
+
+def markdown(summary: dict) -> str:
+    lines = []
+    for (model, length), s in summary.items():
+        tasks = s["tasks"]
+        lines.append(f"### {model}, {length} tokens ({s['n']} instances per task)\n")
+        unusable = [t for t, ok in s["usable"].items() if not ok]
+        if unusable:
+            lines.append(f"Tasks the uncompressed `bf16` reference scores below {USABLE:.0%} on (beyond this model; "
+                         f"shown, not used to rank): {', '.join(unusable)}.\n")
+        head = ["method", "family", "B/token", "× smaller", "retrieval"] + tasks + \
+               ["fail: retr / reas", "KL", "top-1", "Δppl", "B read/step", "prefill s", "decode s/tok", "peak RSS MB"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        order = sorted(s["methods"].items(), key=lambda kv: -kv[1]["kv_bytes_per_token"])
+        for m, r in order:
+            cells = [f"`{m}`", r["family"], _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]),
+                     _f(r["retrieval"])]
+            cells += [_f(r["per_task"][t]) for t in tasks]
+            cells += [f"{r['fail_retrieval']} / {r['fail_reasoning']}", _f(r["kl"], "{:.4f}"), _f(r["top1"]),
+                      _f(r["ppl_change"], "{:+.2%}"), _f(r["bytes_read_per_step"], "{:,.0f}"), _f(r["prefill_s"]),
+                      _f(r["decode_s_per_token"], "{:.3f}"), _f(r["peak_rss_mb"], "{:,.0f}")]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plots(summary: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (model, length), s in summary.items():
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+        for m, r in s["methods"].items():
+            y = r["retrieval"] if r["retrieval"] is not None else r["top1"]
+            if y is None:
+                continue
+            ax.scatter(r["kv_bytes_per_token"], y, color=FAMILY_COLOURS.get(r["family"], "tab:gray"), s=40)
+            ax.annotate(m, (r["kv_bytes_per_token"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("stored KV bytes per token (log)")
+        ax.set_ylabel("retrieval score (usable tasks)")
+        ax.set_title(f"{model} @ {length}: quality vs bytes")
+        for fam, colour in FAMILY_COLOURS.items():
+            if any(r["family"] == fam for r in s["methods"].values()):
+                ax.scatter([], [], color=colour, label=fam)
+        ax.legend(fontsize=8)
+        names = list(s["methods"])
+        retr = [s["methods"][m]["fail_retrieval"] for m in names]
+        reas = [s["methods"][m]["fail_reasoning"] for m in names]
+        bx.bar(names, retr, label="retrieval failures", color="tab:red")
+        bx.bar(names, reas, bottom=retr, label="reasoning failures", color="tab:olive")
+        bx.set_ylabel("failed questions")
+        bx.set_title("failures, tagged")
+        bx.tick_params(axis="x", rotation=60, labelsize=7)
+        bx.legend(fontsize=8)
+        fig.tight_layout()
+        p = out / f"plot_{model}_{length}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def write_report(out: Path) -> Path:
+    """Write report.md, plot_*.png and report.html into `out`; returns the Markdown path."""
+    rows = load_rows(out)
+    if not rows:
+        raise ValueError(f"{out}/results.jsonl has no rows")
+    summary = summarise(rows)
+    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary)]
+    pngs = plots(summary, out)
+    md += [f"![{p.stem}]({p.name})\n" for p in pngs]
+    (out / "report.md").write_text("\n".join(md))
+    (out / "report.html").write_text(_html("\n".join(md[:2]), markdown(summary), pngs))
+    return out / "report.md"
+
+
+def _protocol_note(meta: dict) -> str:
+    return ("Context first, question after: the context is prefilled once in full precision, each method builds its "
+            "cache from it (keep policy, then encoding), the question is fed and the answer decoded greedily reading "
+            "only that cache. Retrieval = mean string-match score over the usable RULER-style tasks; a failed chain "
+            "question is tagged `reasoning` when every single-hop probe of its links passed, else `retrieval`. "
+            "Fidelity (KL, top-1, Δppl) is measured on natural-text continuations against the uncompressed cache. "
+            "B read/step = bytes a dense decode step reads (every entry held). Times are wall-clock on this machine "
+            f"(torch {meta.get('torch', '?')}, {meta.get('threads', '?')} threads); compare them within one run.\n")
+
+
+def _html(intro: str, table_md: str, pngs: list[Path]) -> str:
+    body = [f"<p>{html.escape(line)}</p>" for line in intro.splitlines() if line.strip() and not line.startswith("#")]
+    rows_html = []
+    for line in table_md.splitlines():
+        if line.startswith("### "):
+            rows_html.append(f"<h3>{html.escape(line[4:])}</h3>")
+        elif line.startswith("|") and "---" not in line:
+            tag = "th" if "method" in line and "family" in line else "td"
+            cells = "".join(f"<{tag}>{html.escape(c.strip().strip('`'))}</{tag}>" for c in line.strip("|").split("|"))
+            rows_html.append(f"<tr>{cells}</tr>")
+        elif line.strip():
+            rows_html.append(f"<p>{html.escape(line)}</p>")
+    table = "\n".join(rows_html).replace("</h3>\n<tr>", "</h3>\n<table><tr>").replace("</tr>\n<h3>", "</tr></table>\n<h3>")
+    table = table.replace("</tr>\n<p>", "</tr></table>\n<p>")
+    if table.rstrip().endswith("</tr>"):
+        table += "</table>"
+    imgs = "".join(f'<img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" style="max-width:100%">'
+                   for p in pngs)
+    style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px}"
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvstrata report</title><style>{style}</style></head>"
+            f"<body><h1>kvstrata benchmark report</h1>{''.join(body)}{table}{imgs}</body></html>")

@@ -1,0 +1,136 @@
+"""`kvstrata bench`: every method on the same model, length and task instances; one JSONL row per
+(model, length, task, instance, method); finished rows are skipped on rerun."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvstrata.bench import protocol
+from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL, TASKS, make_instance, score_answer, tag_failure
+from kvstrata.hf.run import bf16_bytes_per_token
+from kvstrata.methods import parse_method
+
+# Eviction budgets match the quantizers' bytes per token: fp8 ~0.53, nvfp4/mxfp4 ~0.28, int2 ~0.19 of bf16.
+DEFAULT_METHODS = (
+    "bf16", "fp8", "int4:r=32", "int2:r=32", "mxfp4", "nvfp4",
+    "streaming:keep=0.53", "streaming:keep=0.28", "snapkv:keep=0.53", "snapkv:keep=0.28", "snapkv:keep=0.19",
+)
+QUICK = dict(models=("smollm2-135m",), lengths=(2048,), n=2,
+             methods=("bf16", "fp8", "int2:r=32", "mxfp4", "nvfp4", "streaming:keep=0.28", "snapkv:keep=0.28"))
+
+
+@dataclass
+class BenchConfig:
+    models: tuple[str, ...] = ("smollm2-135m",)
+    lengths: tuple[int, ...] = (2048,)
+    tasks: tuple[str, ...] = TASKS
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    n: int = 20
+    seed: int = 0
+    haystack: str = "noise"
+    out: Path = field(default_factory=lambda: Path("runs/bench"))
+
+
+def family(spec: str) -> str:
+    """Method family for colours and grouping: reference, quantization, eviction, eviction+quant."""
+    m = parse_method(spec)
+    keep = m.full.keep is not None
+    quant = m.full.codec != "bf16" or m.sliding.codec != "bf16"
+    if keep:
+        return "eviction+quant" if quant else "eviction"
+    return "quantization" if quant else "reference"
+
+
+def _done(path: Path) -> set[tuple]:
+    keys = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interrupted run: redone
+            keys.add((r["model"], r["length"], r["task"], r["index"], r["method"]))
+    return keys
+
+
+def run(cfg: BenchConfig, load_model=None) -> Path:
+    """Run every missing cell; returns the JSONL path."""
+    from kvstrata.models import load
+
+    for t in cfg.tasks:
+        if t not in TASKS:
+            raise ValueError(f"unknown task {t!r} (known: {', '.join(TASKS)})")
+    specs = {m: parse_method(m) for m in cfg.methods}
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    path = cfg.out / "results.jsonl"
+    done = _done(path)
+    cells = [(m, L, t, i) for m in cfg.models for L in cfg.lengths for t in cfg.tasks for i in range(cfg.n)]
+    todo = [c for c in cells if any((*c, meth) not in done for meth in cfg.methods)]
+    _write_meta(cfg)
+    bar = tqdm(total=len(todo), desc="bench cells", unit="cell")
+    loaded: dict[str, tuple] = {}
+    with path.open("a") as f:
+        for model_name, length, task, index in todo:
+            if model_name not in loaded:
+                loaded.clear()
+                loaded[model_name] = (load_model or load)(model_name)
+            model, tok = loaded[model_name]
+            bar.set_postfix_str(f"{model_name} {length} {task}#{index}")
+            missing = [m for m in cfg.methods if (model_name, length, task, index, m) not in done]
+            for row in run_cell(model, tok, model_name, length, task, index, missing, specs, cfg):
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+            bar.update(1)
+    bar.close()
+    return path
+
+
+def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -> list[dict]:
+    inst = make_instance(task, tok, length, index, cfg.seed, cfg.haystack)
+    ids = tok(inst.context, return_tensors="pt").input_ids
+    pre = protocol.prefill(model, ids)
+    base = {"model": model_name, "length": length, "task": task, "index": index, "context_tokens": pre.tokens,
+            "prefill_s": pre.seconds, "kind": "retrieval" if task in RETRIEVAL else "reasoning" if task in REASONING else "fidelity",
+            "bf16_bytes_per_token": bf16_bytes_per_token(model.config, pre.tokens), **{k: v for k, v in inst.meta.items() if k == "hops"}}
+    rows = []
+    ref = None
+    if task in FIDELITY:
+        cont = tok(inst.continuation, add_special_tokens=False, return_tensors="pt").input_ids
+        ref = protocol.reference_logits(model, pre, cont)
+    for method in methods:
+        row = dict(base, method=method, family=family(method))
+        if task in FIDELITY:
+            res = protocol.fidelity(model, pre, specs[method], cont, ref)
+            row.update(res, score=res["top1"], failure=None)
+        else:
+            answers = [protocol.ask(model, tok, pre, specs[method], q) for q in inst.questions]
+            scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
+            main = answers[0]
+            row.update({k: main[k] for k in ("kv_bytes", "compress_s", "question_s", "decode_s_per_token", "bytes_read_per_step")})
+            row.update(output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
+                       probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], task))
+        row["kv_bytes_per_token"] = row["kv_bytes"] / pre.tokens
+        row["compression"] = row["bf16_bytes_per_token"] / row["kv_bytes_per_token"]
+        row["peak_rss_mb"] = protocol.peak_rss_mb()
+        rows.append(row)
+    del pre
+    return rows
+
+
+def _write_meta(cfg: BenchConfig) -> None:
+    import transformers
+
+    meta = {
+        "models": cfg.models, "lengths": cfg.lengths, "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n,
+        "seed": cfg.seed, "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (cfg.out / "meta.json").write_text(json.dumps(meta, indent=1))
