@@ -19,8 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/kvstrata passkey --model smollm2-135m --tokens 4000 \
-		--methods "bf16|fp8|nvfp4|mxfp4|int4:r=0|int2:r=0"
+	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

@@ -71,7 +71,8 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / "results.jsonl"
     done = _done(path)
-    cells = [(m, L, t, i) for m in cfg.models for L in cfg.lengths for t in cfg.tasks for i in range(cfg.n)]
+    # instance index outermost: an interrupted run still covers every model, length and task
+    cells = [(m, L, t, i) for i in range(cfg.n) for m in cfg.models for L in cfg.lengths for t in cfg.tasks]
     todo = [c for c in cells if any((*c, meth) not in done for meth in cfg.methods)]
     _write_meta(cfg)
     bar = tqdm(total=len(todo), desc="bench cells", unit="cell")
@@ -79,7 +80,6 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     with path.open("a") as f:
         for model_name, length, task, index in todo:
             if model_name not in loaded:
-                loaded.clear()
                 loaded[model_name] = (load_model or load)(model_name)
             model, tok = loaded[model_name]
             bar.set_postfix_str(f"{model_name} {length} {task}#{index}")

@@ -19,6 +19,7 @@ from kvstrata.codecs.fp8 import E4M3_MAX
 from kvstrata.codecs.qtensor import QTensor
 
 NV_BLOCK = 16
+TENSOR_SCALE_FLOOR = 2.0**-100
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,10 @@ class NVFP4:
         ts = torch.ones((), dtype=torch.float32, device=x.device)
         if self.tensor_scale:
             amax = amax_block.amax() if amax_block.numel() else ts.new_zeros(())
-            ts = torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), ts).reshape(())
+            # below 2^-100 the scale would be subnormal (inexact arithmetic): such a tensor keeps
+            # tensor_scale 1, so its blocks' E4M3 scales underflow and it encodes as zeros
+            wanted = amax / (E4M3_MAX * E2M1_MAX)
+            ts = torch.where(wanted >= TENSOR_SCALE_FLOOR, wanted, ts).reshape(())
         block_scale = (amax_block / E2M1_MAX / ts).to(torch.float8_e4m3fn)
         eff = block_scale.float() * ts
         scaled = torch.where(eff[..., None] > 0, b / eff.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
