@@ -92,9 +92,16 @@ def _cmd_bench(args) -> int:
     methods = _split_methods(args.methods) if args.methods else q.get("methods", DEFAULT_METHODS)
     for m in methods:
         parse_method(m)  # fail before any model loads
+    models = _csv(args.model) if args.model else q.get("models", ("smollm2-135m",))
+    lengths = tuple(int(x) for x in _csv(args.lengths)) if args.lengths else q.get("lengths", (2048,))
+    pairs = []  # model@L1/L2 picks lengths per model
+    for m in models:
+        name, _, own = m.partition("@")
+        pairs += [(name, int(x)) for x in own.split("/")] if own else [(name, L) for L in lengths]
     cfg = BenchConfig(
-        models=_csv(args.model) if args.model else q.get("models", ("smollm2-135m",)),
-        lengths=tuple(int(x) for x in _csv(args.lengths)) if args.lengths else q.get("lengths", (2048,)),
+        models=tuple(p[0] for p in pairs),
+        lengths=lengths,
+        pairs=tuple(pairs),
         tasks=_csv(args.tasks) if args.tasks else TASKS,
         methods=tuple(methods),
         n=args.n if args.n is not None else q.get("n", 20),
@@ -152,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk.set_defaults(func=_cmd_passkey)
 
     b = sub.add_parser("bench", help="run the benchmark (resumable) and write its report")
-    b.add_argument("--model", help="comma-separated models (default smollm2-135m)")
+    b.add_argument("--model", help="comma-separated models, each optionally @L1/L2 for its own lengths "
+                   "(e.g. smollm2-135m@2048/4096,gemma3-270m@4096; default smollm2-135m)")
     b.add_argument("--methods", help="comma-separated method specs (default: the first table's methods)")
     b.add_argument("--tasks", help="comma-separated tasks: single,multikey,multivalue,multiquery,vartrack,fidelity")
     b.add_argument("--lengths", help="comma-separated context lengths in tokens (default 2048)")

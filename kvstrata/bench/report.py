@@ -150,7 +150,8 @@ def write_report(out: Path) -> Path:
     if not rows:
         raise ValueError(f"{out}/results.jsonl has no rows")
     summary = summarise(rows)
-    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
+    meta = runs[-1]
     md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary)]
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]

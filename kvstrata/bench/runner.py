@@ -36,6 +36,11 @@ class BenchConfig:
     seed: int = 0
     haystack: str = "noise"
     out: Path = field(default_factory=lambda: Path("runs/bench"))
+    #: explicit (model, length) pairs; default: every model at every length
+    pairs: tuple[tuple[str, int], ...] = ()
+
+    def plan(self) -> tuple[tuple[str, int], ...]:
+        return self.pairs or tuple((m, L) for m in self.models for L in self.lengths)
 
 
 def family(spec: str) -> str:
@@ -72,7 +77,7 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     path = cfg.out / "results.jsonl"
     done = _done(path)
     # instance index outermost: an interrupted run still covers every model, length and task
-    cells = [(m, L, t, i) for i in range(cfg.n) for m in cfg.models for L in cfg.lengths for t in cfg.tasks]
+    cells = [(m, L, t, i) for i in range(cfg.n) for m, L in cfg.plan() for t in cfg.tasks]
     todo = [c for c in cells if any((*c, meth) not in done for meth in cfg.methods)]
     _write_meta(cfg)
     bar = tqdm(total=len(todo), desc="bench cells", unit="cell")
@@ -128,9 +133,11 @@ def _write_meta(cfg: BenchConfig) -> None:
     import transformers
 
     meta = {
-        "models": cfg.models, "lengths": cfg.lengths, "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n,
+        "plan": cfg.plan(), "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n,
         "seed": cfg.seed, "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    (cfg.out / "meta.json").write_text(json.dumps(meta, indent=1))
+    path = cfg.out / "meta.json"
+    runs = json.loads(path.read_text()).get("runs", []) if path.exists() else []
+    path.write_text(json.dumps({"runs": runs + [meta]}, indent=1))
