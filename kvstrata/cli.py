@@ -136,6 +136,39 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_accounting(args) -> int:
+    from kvstrata import accounting
+
+    if bool(args.preset) == bool(args.model):
+        raise ValueError("give exactly one of --preset (v41-flash, v4-flash, tiny-v41) or --model")
+    if args.preset:
+        from dataclasses import asdict
+
+        from kvstrata.models.v41_layout import cache_plan, compare, presets
+
+        known = presets()
+        if args.preset not in known:
+            raise ValueError(f"unknown preset {args.preset!r} (known: {', '.join(known)})")
+        baseline = "v4-flash" if args.preset != "v4-flash" else "v41-flash"
+        report = compare(args.preset, baseline)
+        plan = cache_plan(known[args.preset])
+        if args.json:
+            print(json.dumps({**report, "layers": [asdict(p) for p in plan]}, indent=1))
+        else:
+            print(accounting.format_v41(report, plan))
+        return 0
+    from transformers import AutoConfig
+
+    from kvstrata.models import resolve
+    from kvstrata.methods import parse_method
+
+    parse_method(args.method)
+    config = AutoConfig.from_pretrained(resolve(args.model), local_files_only=True)
+    report = accounting.account_hf(config, args.method, args.tokens)
+    print(json.dumps(report, indent=1) if args.json else accounting.format_hf(report, args.model))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -174,6 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
     rp.add_argument("dir")
     rp.set_defaults(func=_cmd_report)
+
+    a = sub.add_parser("accounting", help="bytes per token, per layer: a V4.1 preset or an HF model + method")
+    a.add_argument("--preset", help="v41-flash, v4-flash or tiny-v41")
+    a.add_argument("--model", help="a known model or a local model directory")
+    a.add_argument("--method", default="bf16")
+    a.add_argument("--tokens", type=int, default=4096, help="context length for HF accounting")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_cmd_accounting)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)

@@ -54,8 +54,8 @@ class CompressedLayer(CacheLayerMixin):
         self.values = torch.cat([self.values, value_states], dim=-2)
         if first:  # the context prefill: the keep policy acts once, after it
             self._keep(scores=None)
+        self._trim()  # first, so tokens already out of a sliding window are never encoded
         self._flush()
-        self._trim()
         # New tokens are attended in full precision now; later steps read them encoded.
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
 
@@ -69,8 +69,8 @@ class CompressedLayer(CacheLayerMixin):
         self.cumulative_length = seen
         self.keys, self.values = keys, values
         self._keep(scores)
+        self._trim()  # first, so tokens already out of a sliding window are never encoded
         self._flush()
-        self._trim()
 
     def _keep(self, scores: torch.Tensor | None) -> None:
         """Apply the recipe's keep policy to the tail (full-attention layers only)."""
