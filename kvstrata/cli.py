@@ -169,6 +169,15 @@ def _cmd_accounting(args) -> int:
     return 0
 
 
+def _cmd_store(args) -> int:
+    from kvstrata.place import KVStore, StoreConfig
+
+    store = KVStore.from_config(StoreConfig.load(args.config))
+    result = {"stats": store.stats, "verify": store.verify, "gc": store.gc}[args.action]()
+    print(json.dumps(result, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -215,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--tokens", type=int, default=4096, help="context length for HF accounting")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=_cmd_accounting)
+
+    st = sub.add_parser("store", help="inspect the persistent KV store (config: --config TOML or KVSTRATA_STORE_*)")
+    st.add_argument("action", choices=("stats", "verify", "gc"))
+    st.add_argument("--config", help="TOML file with a [store] table")
+    st.set_defaults(func=_cmd_store)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)
