@@ -28,6 +28,7 @@ class CompressedLayer(CacheLayerMixin):
         self.recipe = recipe
         self.segments: list[Segment] = []
         self.cumulative_length = 0
+        self.known_until = 0  # positions below this are already held (bounded replay): not appended again
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -49,7 +50,9 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         first = self.cumulative_length == 0
         past_k, past_v = self.dense()
+        skip = self._known(key_states.shape[-2])
         self.cumulative_length += key_states.shape[-2]
+        key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         if first:  # the context prefill: the keep policy acts once, after it
@@ -110,11 +113,25 @@ class CompressedLayer(CacheLayerMixin):
         tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
         return held_bytes(tensors)
 
+    def _known(self, n: int) -> int:
+        """How many of the next `n` tokens are already held (replayed positions)."""
+        return max(0, min(n, self.known_until - self.cumulative_length))
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Evicted tokens shift the kept ones right: kept entries sit just before the queries, so
-        # causality among the new tokens holds while positions (RoPE) continue from the full length.
+        # Held entries sit just before the queries (evicted or windowed-out tokens shift them right),
+        # so causality among new tokens holds while positions (RoPE) continue from the full length.
+        # During a replay the held entries are exactly positions [0, stored): offset 0.
         stored = self.stored_tokens()
-        return stored + query_length, self.cumulative_length - stored
+        skip = self._known(query_length)
+        return stored + query_length - skip, max(0, self.cumulative_length + skip - stored)
+
+    def start_replay(self, position: int) -> None:
+        """Bounded replay: this layer holds (or will rebuild) its tokens; positions from `position`
+        are fed again. Full layers keep what they hold and do not append the replayed tokens;
+        sliding layers start empty and rebuild their window from the replayed tokens."""
+        if not self.is_sliding:
+            self.known_until = self.cumulative_length
+        self.cumulative_length = position
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -171,11 +188,6 @@ class CompressedSlidingLayer(CompressedLayer):
         if excess > 0:  # the tail itself is longer than the window
             self.keys = self.keys[..., excess:, :].clone()
             self.values = self.values[..., excess:, :].clone()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
-        kept = min(self.cumulative_length, self.sliding_window - 1)
-        return kept + query_length, kv_offset
 
     def get_max_length(self) -> int:
         return self.sliding_window

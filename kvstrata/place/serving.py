@@ -1,0 +1,158 @@
+"""Serving with the persistent store: longest global-KV prefix hit, SWA liveness, bounded replay.
+
+- hit:    global KV and the SWA state at the last hit block are loaded; only the rest of the prompt runs.
+- replay: global KV hit, SWA state gone: the last `n_win` tokens of the cached prefix run again,
+          full-attention layers reading the cached global KV (and not re-appending it), sliding
+          layers rebuilding their window from the replayed tokens -- never a full prefill.
+- miss:   full prefill.
+New complete blocks (global KV) and the SWA state at the last block boundary are written back.
+Records carry the method's encoded bytes (e.g. NVFP4), decoded on load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.codecs import QTensor
+from kvstrata.hf.cache import CompressedCache, layer_classes
+from kvstrata.hf.run import forward
+from kvstrata.hf.segments import Segment, decode_segment, encode_segment
+from kvstrata.methods import StoreRecipe, parse_method
+from kvstrata.place.prefix_keys import block_hashes, model_fingerprint, namespace
+from kvstrata.place.store import KVStore
+
+
+def weights_digest(model) -> str:
+    """SHA-256 over every parameter's bytes, in name order (part of the store namespace)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def pack(recipe: StoreRecipe, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, dict]:
+    """Per-layer dense K/V -> record tensors and metadata, encoded with `recipe`."""
+    tensors, meta = {}, {"codec": recipe.codec, "key_axis": recipe.key_axis}
+    for i, (k, v) in kv.items():
+        seg = encode_segment(recipe, k, v)
+        for tag, q in (("k", seg.keys), ("v", seg.values)):
+            meta[f"{i}.{tag}.shape"] = ",".join(map(str, q.shape))
+            meta[f"{i}.{tag}.dtype"] = str(q.dtype).removeprefix("torch.")
+            tensors.update({f"{i}.{tag}.{name}": t for name, t in q.parts.items()})
+        meta[f"{i}.tokens"] = str(k.shape[-2])
+    return tensors, meta
+
+
+def unpack(recipe: StoreRecipe, tensors: dict, meta: dict, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    if meta.get("codec") != recipe.codec or meta.get("key_axis") != recipe.key_axis:
+        raise ValueError(f"record codec {meta.get('codec')!r} does not match the method's {recipe.codec!r}")
+    out = {}
+    layers = sorted({int(k.split(".")[0]) for k in tensors})
+    for i in layers:
+        qs = []
+        for tag in ("k", "v"):
+            parts = {k.split(".", 2)[2]: t for k, t in tensors.items() if k.startswith(f"{i}.{tag}.")}
+            shape = tuple(int(x) for x in meta[f"{i}.{tag}.shape"].split(","))
+            qs.append(QTensor(recipe.codec, shape, getattr(torch, meta[f"{i}.{tag}.dtype"]), parts))
+        out[i] = decode_segment(recipe, Segment(qs[0], qs[1], int(meta[f"{i}.tokens"])), dtype)
+    return out
+
+
+@dataclass
+class Served:
+    cache: CompressedCache
+    logits: torch.Tensor  # next-token logits after the prompt: [1, vocab]
+    kind: str  # hit | replay | miss
+    reused_tokens: int  # prompt tokens whose global KV came from the store
+    computed_tokens: int  # tokens run through the model
+    ttft_s: float  # lookup + load + compute, up to the first token's logits
+    write_s: float  # writing new blocks back (off the first-token path in a real server)
+
+
+class PrefixServer:
+    def __init__(self, model, store: KVStore, method: str = "bf16", block_size: int = 256, n_win: int | None = None,
+                 tenant: bytes = b"", fingerprint: str | None = None):
+        self.model, self.store, self.block, self.tenant = model, store, block_size, tenant
+        self.spec = parse_method(method)
+        if self.spec.full.keep or self.spec.sliding.keep:
+            raise ValueError("the persistent store keeps every token: keep policies do not apply here")
+        self.classes = layer_classes(model.config)
+        windows = [w for c, w in self.classes if c == "sliding"]
+        self.n_win = n_win if n_win is not None else 2 * max(windows, default=0)
+        if windows and self.n_win < max(windows):
+            raise ValueError(f"n_win must be >= the sliding window ({max(windows)}), got {self.n_win}")
+        dtype = str(next(model.parameters()).dtype)
+        fp = fingerprint or model_fingerprint(model.config.to_dict(), weights_digest(model))
+        self.ns = namespace(fp, str(self.spec), dtype)
+        self.dtype = next(model.parameters()).dtype
+
+    def _fetch(self, hashes: list[str]):
+        records = []
+        for h in hashes:
+            rec = self.store.get_global(h)
+            if rec is None:
+                break
+            records.append(unpack(self.spec.full, *rec, self.dtype))
+        return records
+
+    def serve(self, ids: list[int]) -> Served:
+        t0 = time.perf_counter()
+        usable = (len(ids) - 1) // self.block  # keep >= 1 token to compute the next-token logits
+        hashes = [h.hex() for h in block_hashes(ids, self.block, self.ns, self.tenant)][:usable]
+        records = self._fetch(hashes)
+        P = len(records) * self.block
+        cache = CompressedCache(self.model.config, self.spec)
+        start, kind = 0, "miss"
+        if records:
+            swa = self.store.get_swa(hashes[len(records) - 1])
+            swa_kv = unpack(self.spec.sliding, *swa, self.dtype) if swa is not None else None
+            kind = "hit" if swa_kv is not None else "replay"
+            start = P if swa_kv is not None else max(0, P - self.n_win)
+            for i, (layer, (cls, _)) in enumerate(zip(cache.layers, self.classes)):
+                if cls == "full":
+                    k = torch.cat([r[i][0] for r in records], dim=-2)
+                    v = torch.cat([r[i][1] for r in records], dim=-2)
+                    layer.load_prefill(k, v, P)
+                    if kind == "replay":
+                        layer.start_replay(start)
+                else:
+                    k, v = swa_kv[i] if swa_kv is not None else self._empty(i)
+                    layer.load_prefill(k, v, start)
+        Q = max(P, usable * self.block)
+        write_s, snapshot = 0.0, None
+        if start < Q:
+            forward(self.model, torch.tensor([ids[start:Q]]), cache)
+            t1 = time.perf_counter()
+            snapshot = self._snapshot(cache, P, Q)  # the state at the block boundary, before the remainder
+            write_s += time.perf_counter() - t1
+        logits = forward(self.model, torch.tensor([ids[Q:]]), cache)[:, -1]
+        ttft = time.perf_counter() - t0 - write_s
+        t1 = time.perf_counter()
+        if snapshot is not None:
+            blocks, swa = snapshot
+            for b, kv in blocks.items():
+                self.store.put_global(hashes[b], *pack(self.spec.full, kv))
+            if swa:
+                self.store.put_swa(hashes[Q // self.block - 1], *pack(self.spec.sliding, swa))
+        write_s += time.perf_counter() - t1
+        return Served(cache, logits, kind, P, len(ids) - start, ttft, write_s)
+
+    def _snapshot(self, cache: CompressedCache, P: int, Q: int):
+        """Global KV of the new blocks [P, Q) and every sliding layer's window at Q."""
+        full = {i: layer.dense() for i, layer in enumerate(cache.layers) if not layer.is_sliding}
+        blocks = {}
+        for b in range(P // self.block, Q // self.block):
+            s = slice(b * self.block, (b + 1) * self.block)
+            blocks[b] = {i: (k[..., s, :], v[..., s, :]) for i, (k, v) in full.items()}
+        swa = {i: layer.dense() for i, layer in enumerate(cache.layers) if layer.is_sliding}
+        return blocks, swa
+
+    def _empty(self, i: int):
+        text = self.model.config.get_text_config()
+        z = torch.zeros(1, text.num_key_value_heads, 0, text.head_dim, dtype=self.dtype)
+        return z, z

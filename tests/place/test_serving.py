@@ -1,0 +1,102 @@
+"""Serving flow on a tiny Gemma-3 (sliding window 16): hit, bounded replay, miss, faults."""
+
+import pytest
+import torch
+
+from kvstrata.hf import CompressedCache
+from kvstrata.hf.run import forward
+from kvstrata.place.disk import DiskTier
+from kvstrata.place.memory import MemoryTier
+from kvstrata.place.redis_tier import RedisTier
+from kvstrata.place.serving import PrefixServer
+from kvstrata.place.store import KVStore
+
+IDS = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def make_store(tmp_path):
+    return KVStore(DiskTier(tmp_path / "g", 1 << 26), MemoryTier(1 << 24), swa_ttl_s=300)
+
+
+def exact_logits(model, ids, method="bf16"):
+    cache = CompressedCache(model.config, method)
+    forward(model, torch.tensor([ids[:64]]), cache)
+    return forward(model, torch.tensor([ids[64:]]), cache)[:, -1]
+
+
+@pytest.fixture
+def server(tiny_gemma, tmp_path):
+    return PrefixServer(tiny_gemma, make_store(tmp_path), "bf16", block_size=8)
+
+
+def test_miss_then_hit_reuses_and_matches(server, tiny_gemma):
+    cold = server.serve(IDS)
+    assert cold.kind == "miss" and cold.computed_tokens == 70 and cold.reused_tokens == 0
+    warm = server.serve(IDS)
+    assert warm.kind == "hit" and warm.reused_tokens == 64 and warm.computed_tokens == 6
+    torch.testing.assert_close(warm.logits, cold.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cold.logits, exact_logits(tiny_gemma, IDS), atol=1e-5, rtol=0)
+
+
+def test_next_turn_extends_the_prefix(server):
+    server.serve(IDS[:40])
+    turn2 = server.serve(IDS)
+    assert turn2.kind == "hit" and turn2.reused_tokens == 32
+
+
+def test_swa_miss_replays_only_the_window(server, tiny_gemma):
+    hit = server.serve(IDS) and server.serve(IDS)
+    server.store.swa_tier._data.clear()
+    replay = server.serve(IDS)
+    assert replay.kind == "replay" and replay.reused_tokens == 64
+    assert replay.computed_tokens == 70 - (64 - server.n_win)  # never a full prefill
+    assert (replay.logits - hit.logits).abs().max() < 0.5  # an approximation: measured, not exact
+    assert server.serve(IDS).kind == "hit"  # the rebuilt SWA state was written back
+
+
+def test_replay_from_the_start_is_exact(tiny_gemma, tmp_path):
+    s = PrefixServer(tiny_gemma, make_store(tmp_path), "bf16", block_size=8, n_win=64)
+    hit = s.serve(IDS) and s.serve(IDS)
+    s.store.swa_tier._data.clear()
+    replay = s.serve(IDS)
+    assert replay.kind == "replay" and replay.computed_tokens == 70
+    torch.testing.assert_close(replay.logits, hit.logits, atol=2e-3, rtol=0)
+
+
+def test_other_tenant_or_method_never_hits(tiny_gemma, tmp_path):
+    store = make_store(tmp_path)
+    PrefixServer(tiny_gemma, store, "bf16", block_size=8, tenant=b"a").serve(IDS)
+    assert PrefixServer(tiny_gemma, store, "bf16", block_size=8, tenant=b"b").serve(IDS).kind == "miss"
+    assert PrefixServer(tiny_gemma, store, "fp8", block_size=8, tenant=b"a").serve(IDS).kind == "miss"
+
+
+def test_fp4_records_are_smaller_and_serve(tiny_gemma, tmp_path):
+    stores = {}
+    for method in ("bf16", "nvfp4;sliding=fp8"):
+        s = PrefixServer(tiny_gemma, make_store(tmp_path / method.replace(";", "_")), method, block_size=8)
+        s.serve(IDS)
+        assert s.serve(IDS).kind == "hit"
+        stores[method] = s.store.global_tier.nbytes()
+    assert stores["nvfp4;sliding=fp8"] < 0.6 * stores["bf16"]  # record headers weigh a lot on tiny blocks
+
+
+def test_corrupt_block_is_recomputed(server, tiny_gemma):
+    cold = server.serve(IDS)
+    tier = server.store.global_tier
+    victim = sorted(tier.keys())[0]
+    path = tier._path(victim)
+    path.write_bytes(path.read_bytes()[:-9])
+    again = server.serve(IDS)
+    assert again.kind in ("miss", "hit", "replay") and tier.stats.corrupt == 1
+    assert int(again.logits.argmax()) == int(cold.logits.argmax())
+
+
+def test_redis_down_still_answers(tiny_gemma, redis_server):
+    store = KVStore(RedisTier(redis_server.url, prefix="srv", socket_timeout=0.2), MemoryTier(1 << 24))
+    s = PrefixServer(tiny_gemma, store, "bf16", block_size=8)
+    s.serve(IDS)
+    assert s.serve(IDS).kind == "hit"
+    redis_server.stop()
+    down = s.serve(IDS)
+    assert down.kind == "miss" and down.logits.shape[-1] == tiny_gemma.config.vocab_size
+    assert store.global_tier.stats.errors > 0
