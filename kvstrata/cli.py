@@ -178,6 +178,14 @@ def _cmd_store(args) -> int:
     return 0
 
 
+def _cmd_store_bench(args) -> int:
+    from kvstrata.bench.store_evidence import run
+
+    result = run(args.model, args.tokens, Path(args.out), args.method)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -229,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("action", choices=("stats", "verify", "gc"))
     st.add_argument("--config", help="TOML file with a [store] table")
     st.set_defaults(func=_cmd_store)
+
+    sb = sub.add_parser("store-bench", help="persistent-store evidence: replay error, TTFT, tier throughput")
+    sb.add_argument("--model", default="gemma3-270m")
+    sb.add_argument("--tokens", type=int, default=8192)
+    sb.add_argument("--method", default="bf16")
+    sb.add_argument("--out", default="docs/results/store")
+    sb.set_defaults(func=_cmd_store_bench)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)
