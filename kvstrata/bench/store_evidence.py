@@ -143,6 +143,24 @@ def redis_throughput(size: int, count: int) -> dict:
         proc.wait(5)
 
 
+def trace_from_measurements(model, result: dict, method: str) -> dict:
+    """The agent-trace simulation with costs and sizes measured above on the real model."""
+    from kvstrata.accounting import account_hf
+    from kvstrata.place.config import StoreConfig
+    from kvstrata.place.trace_sim import TraceConfig, simulate
+
+    acc = account_hf(model.config, method, result["tokens"])
+    swa_bytes = sum(r["bytes"] for r in acc["layers"] if r["class"] == "sliding")
+    global_bpt = sum(r["bytes"] for r in acc["layers"] if r["class"] == "full") / result["tokens"]
+    t = result["ttft"]
+    cfg = TraceConfig(
+        swa_state_bytes=swa_bytes, global_bytes_per_token=global_bpt, pool_bytes=StoreConfig().swa_capacity_bytes,
+        prefill_s_per_token=t["cold_s"] / result["tokens"], load_s_per_token=t["warm_s"] / result["tokens"],
+        replay_tokens=2 * result["window"],
+    )
+    return simulate(cfg)
+
+
 def run(model_name: str, tokens: int, out: Path, method: str = "bf16") -> dict:
     from kvstrata.models import load
 
@@ -157,6 +175,7 @@ def run(model_name: str, tokens: int, out: Path, method: str = "bf16") -> dict:
                             "disk_write_share": tier["write_MBps"] / raw["write_MBps"],
                             "disk_read_share": tier["read_MBps"] / raw["read_MBps"],
                             "redis": redis_throughput(size, 512)}
+    result["trace"] = trace_from_measurements(model, result, method)
     out.mkdir(parents=True, exist_ok=True)
     (out / "store_evidence.json").write_text(json.dumps(result, indent=1))
     return result
