@@ -186,6 +186,18 @@ def _cmd_store_bench(args) -> int:
     return 0
 
 
+def _cmd_depth_similarity(args) -> int:
+    from kvstrata.bench.depth_similarity import run
+
+    results = run(list(_csv(args.model)), args.tokens, args.group, Path(args.out))
+    for name, r in results.items():
+        mean = lambda rows: sum(map(sum, rows)) / sum(map(len, rows))  # noqa: E731
+        print(f"{name}: mean adjacent cosine K {mean(r['k_cos']):.3f} V {mean(r['v_cos']):.3f}; "
+              f"lowest-frequency energy (G={r['group']}) K {mean(r['k_low']):.3f} V {mean(r['v_low']):.3f}")
+    print(f"plots and JSON in {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -244,6 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--method", default="bf16")
     sb.add_argument("--out", default="docs/results/store")
     sb.set_defaults(func=_cmd_store_bench)
+
+    ds = sub.add_parser("depth-similarity", help="adjacent-layer KV similarity per head (heat maps)")
+    ds.add_argument("--model", default="smollm2-135m,gemma3-270m")
+    ds.add_argument("--tokens", type=int, default=2048)
+    ds.add_argument("--group", type=int, default=4)
+    ds.add_argument("--out", default="docs/results/depth")
+    ds.set_defaults(func=_cmd_depth_similarity)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)
