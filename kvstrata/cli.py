@@ -198,6 +198,22 @@ def _cmd_depth_similarity(args) -> int:
     return 0
 
 
+def _cmd_chat(args) -> int:
+    from kvstrata.models import load
+    from kvstrata.place import KVStore, StoreConfig
+    from kvstrata.place.chat import chat
+    from kvstrata.place.serving import PrefixServer
+
+    cfg = StoreConfig.load(args.config)
+    model, tok = load(args.model)
+    server = PrefixServer(model, KVStore.from_config(cfg), args.method, block_size=cfg.block_size,
+                          tenant=args.tenant.encode())
+    source = Path(args.script).read_text().split("\n---\n") if args.script else (line for line in sys.stdin)
+    turns = [t.strip() for t in source if t.strip()]
+    chat(model, tok, server, turns, args.max_new_tokens, set(args.forget_swa_before or []))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -263,6 +279,16 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--group", type=int, default=4)
     ds.add_argument("--out", default="docs/results/depth")
     ds.set_defaults(func=_cmd_depth_similarity)
+
+    ch = sub.add_parser("chat", help="multi-turn session over the persistent store: hit / replay / miss per turn")
+    ch.add_argument("--model", default="gemma3-270m")
+    ch.add_argument("--method", default="nvfp4;sliding=fp8")
+    ch.add_argument("--script", help="file of turns separated by lines of '---' (default: one turn per stdin line)")
+    ch.add_argument("--config", help="store TOML ([store] table); env KVSTRATA_STORE_* also apply")
+    ch.add_argument("--tenant", default="default")
+    ch.add_argument("--max-new-tokens", type=int, default=32)
+    ch.add_argument("--forget-swa-before", type=int, nargs="*", help="turn numbers before which the SWA pool is emptied")
+    ch.set_defaults(func=_cmd_chat)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)
