@@ -18,7 +18,8 @@ from transformers import DynamicCache
 
 from kvstrata.bench.tasks import Question
 from kvstrata.hf import CompressedCache
-from kvstrata.hf.run import cache_kwarg, forward
+from kvstrata.hf.probe import probing
+from kvstrata.hf.run import forward
 from kvstrata.keep import window_scores
 from kvstrata.methods import MethodSpec
 
@@ -32,6 +33,7 @@ class Prefill:
     dense: DynamicCache
     tokens: int
     seconds: float
+    queries: list[torch.Tensor] | None = None  # per layer, the window's queries [b, q_heads, w, d]
 
 
 def prefill(model, ids: torch.Tensor, window: int = 32) -> Prefill:
@@ -41,23 +43,19 @@ def prefill(model, ids: torch.Tensor, window: int = 32) -> Prefill:
     w = min(window, n - 1)
     t0 = time.perf_counter()
     forward(model, ids[:, : n - w], cache)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        with torch.inference_mode():
-            out = model(input_ids=ids[:, n - w :], use_cache=True, output_attentions=True, logits_to_keep=1,
-                        **{cache_kwarg(model): cache})
-    finally:
-        model.set_attn_implementation(previous)
+    with probing(model) as rec:
+        forward(model, ids[:, n - w :], cache)
     seconds = time.perf_counter() - t0
     kv_heads = model.config.get_text_config().num_key_value_heads
-    layers, scores = [], []
-    for layer, attn in zip(cache.layers, out.attentions):
+    layers, scores, queries = [], [], []
+    for i, layer in enumerate(cache.layers):
         seen = getattr(layer, "cumulative_length", layer.keys.shape[-2])
         layers.append((layer.keys, layer.values, seen))
+        probs = rec.probs[i]
         full = not getattr(layer, "is_sliding", False)
-        scores.append(window_scores(attn, kv_heads) if full and attn.shape[-1] == n else None)
-    return Prefill(layers, scores, cache, n, seconds)
+        scores.append(window_scores(probs, kv_heads) if full and probs.shape[-1] == n else None)
+        queries.append(rec.queries[i])
+    return Prefill(layers, scores, cache, n, seconds, queries)
 
 
 def peak_rss_mb() -> float:
