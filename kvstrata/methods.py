@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from kvstrata.codecs import CODECS, coerce_params, get_codec, split_spec
 from kvstrata.codecs.base import codec_spec
+from kvstrata.codecs.depth import FreqDepth
 from kvstrata.keep import KEEP_POLICIES
 
 LAYER_CLASSES = ("full", "sliding")
@@ -35,6 +36,15 @@ class StoreRecipe:
     r: int = 0
     key_axis: str = "token"
     keep: str | None = None  # canonical keep-policy spec, applied to the context after prefill
+    depth: str | None = None  # canonical depth-sharing spec (FreqDepthKV) for groups of adjacent layers
+
+    def depth_config(self):
+        if self.depth is None:
+            return None
+        from kvstrata.codecs.depth import FreqDepth
+
+        _, params = split_spec(self.depth)
+        return FreqDepth(**coerce_params(FreqDepth, params, "method depth"))
 
     def keep_policy(self):
         """The keep policy instance, or None when every token is kept."""
@@ -67,6 +77,7 @@ def _codec_entry(name: str) -> MethodEntry:
 
 METHODS: dict[str, MethodEntry] = {name: _codec_entry(name) for name in CODECS}
 METHODS.update({name: MethodEntry(name, "keep", cls.summary) for name, cls in KEEP_POLICIES.items()})
+METHODS["depth"] = MethodEntry("depth", "depth", FreqDepth.summary)
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ def _parse_keep(name: str, params: dict[str, str]) -> str:
     return codec_spec(cls(**coerce_params(cls, params, f"method {name}")))
 
 
-def _parse_component(text: str) -> StoreRecipe | str:
+def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
     """A store component -> StoreRecipe; a keep component -> its canonical spec string."""
     name, params = split_spec(text)
     if not name:
@@ -99,6 +110,8 @@ def _parse_component(text: str) -> StoreRecipe | str:
     entry = METHODS[name]
     if entry.stratum == "keep":
         return _parse_keep(name, params)
+    if entry.stratum == "depth":
+        return ("depth", codec_spec(FreqDepth(**coerce_params(FreqDepth, params, "method depth"))))
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     try:
@@ -123,12 +136,14 @@ def _parse_recipe(text: str) -> StoreRecipe:
     parsed = [_parse_component(p) for p in parts]
     stores = [r for r in parsed if isinstance(r, StoreRecipe)]
     keeps = [r for r in parsed if isinstance(r, str)]
-    if len(stores) > 1:
-        raise ValueError(f"{text!r} combines {len(stores)} element codecs; a recipe takes at most one")
-    if len(keeps) > 1:
-        raise ValueError(f"{text!r} combines {len(keeps)} keep policies; a recipe takes at most one")
+    depths = [r[1] for r in parsed if isinstance(r, tuple)]
+    for what, found in (("element codecs", stores), ("keep policies", keeps), ("depth-sharing methods", depths)):
+        if len(found) > 1:
+            raise ValueError(f"{text!r} combines {len(found)} {what}; a recipe takes at most one")
     store = stores[0] if stores else StoreRecipe()
-    return replace(store, keep=keeps[0]) if keeps else store
+    if depths and store.key_axis == "channel":
+        store = replace(store, key_axis="token")  # depth blocks group tokens themselves
+    return replace(store, keep=keeps[0] if keeps else None, depth=depths[0] if depths else None)
 
 
 def parse_method(text: str) -> MethodSpec:

@@ -66,7 +66,7 @@ def peak_rss_mb() -> float:
 def build_cache(model, pre: Prefill, spec: MethodSpec) -> tuple[CompressedCache, float]:
     t0 = time.perf_counter()
     cache = CompressedCache(model.config, spec)
-    cache.load_prefill(pre.layers, pre.scores)
+    cache.load_prefill(pre.layers, pre.scores, pre.queries)
     return cache, time.perf_counter() - t0
 
 

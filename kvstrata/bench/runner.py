@@ -46,6 +46,8 @@ class BenchConfig:
 def family(spec: str) -> str:
     """Method family for colours and grouping: reference, quantization, eviction, eviction+quant."""
     m = parse_method(spec)
+    if m.full.depth is not None:
+        return "depth"
     keep = m.full.keep is not None
     quant = m.full.codec != "bf16" or m.sliding.codec != "bf16"
     if keep:

@@ -217,23 +217,48 @@ class CompressedCache(Cache):
 
     def __init__(self, config, method: str | MethodSpec = "bf16"):
         self.method = parse_method(method) if isinstance(method, str) else method
+        classes = layer_classes(config)
         layers: list[CacheLayerMixin] = []
-        for cls, window in layer_classes(config):
+        for cls, window in classes:
             recipe = self.method.recipe(cls)
             layers.append(CompressedSlidingLayer(recipe, window) if cls == "sliding" else CompressedLayer(recipe))
+        if self.method.full.depth:
+            self._group_depth(layers, classes)
         super().__init__(layers=layers)
+
+    def _group_depth(self, layers: list, classes) -> None:
+        """Replace runs of `g` adjacent full-attention layers with one depth-shared group each."""
+        from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
+
+        recipe = self.method.full
+        g = recipe.depth_config().g
+        self.depth_groups = []
+        run: list[int] = []
+        for i, (cls, _) in enumerate(classes):
+            run = run + [i] if cls == "full" and (not run or run[-1] == i - 1) else ([i] if cls == "full" else [])
+            if len(run) == g:
+                members = [DepthLayer(recipe, j) for j in range(g)]
+                group = DepthGroup(recipe, members)
+                for member, idx in zip(members, run):
+                    member.group = group
+                    layers[idx] = member
+                self.depth_groups.append((run, group))
+                run = []
 
     def nbytes(self) -> dict:
         """`{"layers": [bytes per layer], "total": bytes}`, measured from held tensors."""
         per_layer = [layer.nbytes() for layer in self.layers]
         return {"layers": per_layer, "total": sum(per_layer)}
 
-    def load_prefill(self, layers: list[tuple[torch.Tensor, torch.Tensor, int]], scores: list | None = None) -> None:
-        """Fill from a prefilled dense cache: per layer `(keys, values, tokens_seen)` and optional
-        per-layer keep scores `[batch, kv_heads, n]`."""
+    def load_prefill(self, layers: list[tuple[torch.Tensor, torch.Tensor, int]], scores: list | None = None,
+                     queries: list | None = None) -> None:
+        """Fill from a prefilled dense cache: per layer `(keys, values, tokens_seen)`, optional
+        per-layer keep scores `[batch, kv_heads, n]` and probe queries `[batch, q_heads, w, head_dim]`."""
         if len(layers) != len(self.layers):
             raise ValueError(f"load_prefill got {len(layers)} layers, the model has {len(self.layers)}")
         for i, (layer, (k, v, seen)) in enumerate(zip(self.layers, layers)):
+            if queries is not None and hasattr(layer, "set_queries"):
+                layer.set_queries(queries[i])
             layer.load_prefill(k, v, seen, scores[i] if scores is not None else None)
 
     def bytes_per_token(self) -> float:

@@ -63,3 +63,4 @@ def test_families():
     assert family("int2") == "quantization"
     assert family("snapkv:keep=0.3") == "eviction"
     assert family("streaming:keep=0.3+nvfp4") == "eviction+quant"
+    assert family("depth:g=4+nvfp4") == "depth"

@@ -1,0 +1,87 @@
+"""FreqDepthKV: the head probe, block encoding in the cache, byte counts."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from kvstrata.codecs.depth import FreqDepth, encode_block, probe_mode
+from kvstrata.codecs.qtensor import held_bytes
+from kvstrata.hf import CompressedCache
+from kvstrata.hf.run import forward, generate
+from kvstrata.methods import parse_method
+from kvstrata.models.tiny import byte_tokenizer
+
+CFG = FreqDepth(g=4, f=1, r=0.1, tol=0.05)
+
+
+def test_probe_picks_shared_for_equal_layers_and_exact_for_unrelated():
+    torch.manual_seed(0)
+    q = torch.randn(4, 1, 8, 16)
+    same = torch.randn(1, 1, 1, 40, 16).expand(4, -1, -1, -1, -1).clone()
+    assert probe_mode(same, same, q, CFG, "bf16") == "shared"
+    unrelated = torch.randn(4, 1, 1, 40, 16)
+    assert probe_mode(unrelated, torch.randn(4, 1, 1, 40, 16), q, CFG, "bf16") == "exact"
+
+
+def test_probe_picks_residual_when_a_few_tokens_differ():
+    torch.manual_seed(1)
+    q = torch.randn(4, 1, 8, 16)
+    x = torch.randn(1, 1, 1, 40, 16).expand(4, -1, -1, -1, -1).clone()
+    x[2, :, :, 7] = torch.randn(16) * 5  # one token differs in one layer
+    assert probe_mode(x, x.clone(), q, CFG, "bf16") == "residual"
+
+
+def test_block_bytes_are_what_is_held():
+    k, v = torch.randn(4, 1, 2, 30, 16), torch.randn(4, 1, 2, 30, 16)
+    block = encode_block(k, v, ["shared", "residual"], CFG, "nvfp4", None)
+    tensors = [t for ek, ev in block.heads for e in (ek, ev) for t in e.tensors()]
+    assert block.nbytes() == sum(t.numel() * t.element_size() for t in tensors) == held_bytes(tensors)
+    exact = encode_block(k, v, ["exact", "exact"], CFG, "bf16", None)
+    assert exact.nbytes() == 2 * 4 * 2 * 30 * 16 * 2  # K and V, 4 layers, 2 heads, bf16
+    dk, dv = exact.layer(2, 4, torch.float32)
+    torch.testing.assert_close(dk, k[2], atol=0.05, rtol=0.01)
+
+
+@pytest.fixture(scope="module")
+def deep_llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def test_cache_groups_adjacent_layers_and_encodes_whole_blocks(deep_llama):
+    cache = CompressedCache(deep_llama.config, "depth:g=4,f=1,r=0.05,block=16")
+    assert [run for run, _ in cache.depth_groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # layer 8 stays per-layer
+    ids = torch.randint(0, 256, (1, 120))
+    forward(deep_llama, ids[:, :100], cache)
+    for i in range(100, 120):
+        forward(deep_llama, ids[:, i : i + 1], cache)
+        for layer in cache.layers[:8]:
+            assert layer.keys.shape[-2] < 16  # pending tokens never reach a whole block
+            assert layer.stored_tokens() == i + 1
+    total = cache.nbytes()["total"]
+    held = held_bytes([t for _, g in cache.depth_groups for b in g.blocks for ek, ev in b.heads
+                       for e in (ek, ev) for t in e.tensors()]
+                      + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+                      + [t for s in cache.layers[8].segments for t in s.parts()])
+    assert total == held
+
+
+def test_depth_tracks_dense_and_works_in_generate(deep_llama):
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(4))
+    ref = CompressedCache(deep_llama.config, "bf16")
+    a = torch.cat([forward(deep_llama, ids[:, :80], ref)] + [forward(deep_llama, ids[:, i : i + 1], ref) for i in range(80, 90)], 1)
+    cache = CompressedCache(deep_llama.config, "depth:g=4,f=3,r=0.5,block=8")
+    b = torch.cat([forward(deep_llama, ids[:, :80], cache)] + [forward(deep_llama, ids[:, i : i + 1], cache) for i in range(80, 90)], 1)
+    assert (a - b).abs().mean() < 0.05
+    g = generate(deep_llama, byte_tokenizer(), ids[:, :40], "depth:g=2,block=8+nvfp4", max_new_tokens=5)
+    assert len(g.new_tokens) == 5
+
+
+def test_depth_spec_errors():
+    with pytest.raises(ValueError, match="1 <= f < g"):
+        parse_method("depth:g=4,f=4")
+    with pytest.raises(ValueError, match="at most one"):
+        parse_method("depth+depth:g=2")
+    assert parse_method("depth:g=2+int4").full.key_axis == "token"
