@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from kvstrata.codecs import CODECS, coerce_params, get_codec, split_spec
 from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.depth import FreqDepth
+from kvstrata.codecs.minicache import MiniCache
 from kvstrata.keep import KEEP_POLICIES
 
 LAYER_CLASSES = ("full", "sliding")
@@ -39,12 +40,12 @@ class StoreRecipe:
     depth: str | None = None  # canonical depth-sharing spec (FreqDepthKV) for groups of adjacent layers
 
     def depth_config(self):
+        """The depth-sharing codec (FreqDepth, MiniCache) instance, or None."""
         if self.depth is None:
             return None
-        from kvstrata.codecs.depth import FreqDepth
-
-        _, params = split_spec(self.depth)
-        return FreqDepth(**coerce_params(FreqDepth, params, "method depth"))
+        name, params = split_spec(self.depth)
+        cls = DEPTH_METHODS[name]
+        return cls(**coerce_params(cls, params, f"method {name}"))
 
     def keep_policy(self):
         """The keep policy instance, or None when every token is kept."""
@@ -77,7 +78,8 @@ def _codec_entry(name: str) -> MethodEntry:
 
 METHODS: dict[str, MethodEntry] = {name: _codec_entry(name) for name in CODECS}
 METHODS.update({name: MethodEntry(name, "keep", cls.summary) for name, cls in KEEP_POLICIES.items()})
-METHODS["depth"] = MethodEntry("depth", "depth", FreqDepth.summary)
+DEPTH_METHODS = {c.name: c for c in (FreqDepth, MiniCache)}
+METHODS.update({name: MethodEntry(name, "depth", cls.summary) for name, cls in DEPTH_METHODS.items()})
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,8 @@ def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
     if entry.stratum == "keep":
         return _parse_keep(name, params)
     if entry.stratum == "depth":
-        return ("depth", codec_spec(FreqDepth(**coerce_params(FreqDepth, params, "method depth"))))
+        cls = DEPTH_METHODS[name]
+        return ("depth", codec_spec(cls(**coerce_params(cls, params, f"method {name}"))))
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     try:

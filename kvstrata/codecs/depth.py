@@ -35,6 +35,16 @@ class FreqDepth:
     name: ClassVar[str] = "depth"
     summary: ClassVar[str] = "FreqDepthKV: DCT depth sharing over g adjacent layers + sparse residuals, per-head probe"
 
+    start: ClassVar[float] = 0.0  # groups start at the first layer
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, queries, codec: str, state: dict) -> "DepthBlock":
+        """`k, v: [g, b, h, T, d]`, `queries: [g, b, h, nq, d]` or None. The first call probes and
+        fixes each head's mode in `state`; later blocks reuse it."""
+        if "modes" not in state:
+            state["modes"] = [probe_mode(k[:, :, h : h + 1], v[:, :, h : h + 1], queries[:, :, h], self, codec)
+                              if queries is not None else "residual" for h in range(k.shape[2])]
+        return encode_block(k, v, state["modes"], self, codec, queries)
+
     def __post_init__(self):
         if self.g < 2 or not 1 <= self.f < self.g:
             raise ValueError(f"depth: need g >= 2 and 1 <= f < g, got g={self.g}, f={self.f}")

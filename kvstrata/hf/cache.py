@@ -231,11 +231,13 @@ class CompressedCache(Cache):
         from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 
         recipe = self.method.full
-        g = recipe.depth_config().g
+        cfg = recipe.depth_config()
+        g, first = cfg.g, int(cfg.start * len(classes))
         self.depth_groups = []
         run: list[int] = []
         for i, (cls, _) in enumerate(classes):
-            run = run + [i] if cls == "full" and (not run or run[-1] == i - 1) else ([i] if cls == "full" else [])
+            full = cls == "full" and i >= first
+            run = run + [i] if full and (not run or run[-1] == i - 1) else ([i] if full else [])
             if len(run) == g:
                 members = [DepthLayer(recipe, j) for j in range(g)]
                 group = DepthGroup(recipe, members)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.codecs.depth import DepthBlock, encode_block, group_queries, probe_mode
+from kvstrata.codecs.depth import group_queries
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf.cache import CompressedLayer
 from kvstrata.methods import StoreRecipe
@@ -22,9 +22,13 @@ class DepthGroup:
         self.recipe = recipe
         self.cfg = recipe.depth_config()
         self.members = members
-        self.blocks: list[DepthBlock] = []
-        self.modes: list[str] | None = None
+        self.blocks: list = []
+        self.state: dict = {}  # the group codec's fixed decisions (FreqDepthKV: per-head modes)
         self.queries: list[torch.Tensor | None] = [None] * len(members)
+
+    @property
+    def modes(self) -> list[str] | None:
+        return self.state.get("modes")
 
     @property
     def encoded_tokens(self) -> int:
@@ -50,10 +54,7 @@ class DepthGroup:
         q = None
         if all(x is not None for x in self.queries):
             q = group_queries(self.queries, k.shape[2])
-        if self.modes is None:
-            self.modes = [probe_mode(k[:, :, h : h + 1], v[:, :, h : h + 1], q[:, :, h], self.cfg, self.recipe.codec)
-                          if q is not None else "residual" for h in range(k.shape[2])]
-        self.blocks.append(encode_block(k, v, self.modes, self.cfg, self.recipe.codec, q))
+        self.blocks.append(self.cfg.encode(k, v, q, self.recipe.codec, self.state))
         for m in self.members:
             m.keys = m.keys[..., n:, :].clone()
             m.values = m.values[..., n:, :].clone()
@@ -95,7 +96,7 @@ class DepthLayer(CompressedLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.group.blocks, self.group.modes = [], None
+        self.group.blocks, self.group.state = [], {}
 
     def _map_batch(self, fn) -> None:
         raise NotImplementedError("depth-shared caches do not support beam search or batch reordering yet")

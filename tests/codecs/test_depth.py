@@ -85,3 +85,29 @@ def test_depth_spec_errors():
     with pytest.raises(ValueError, match="at most one"):
         parse_method("depth+depth:g=2")
     assert parse_method("depth:g=2+int4").full.key_axis == "token"
+
+
+def test_minicache_pairs_the_deeper_half_and_is_exact_when_nothing_merges(deep_llama):
+    cache = CompressedCache(deep_llama.config, "minicache:block=8")
+    assert [run for run, _ in cache.depth_groups] == [[4, 5], [6, 7]]  # from the middle (layer 4 of 9) down
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
+    ref = CompressedCache(deep_llama.config, "fp8")
+    exact = CompressedCache(deep_llama.config, "minicache:gamma=1.0,block=8+fp8")  # every token kept unmerged
+    a = torch.cat([forward(deep_llama, ids[:, :50], ref)] + [forward(deep_llama, ids[:, i : i + 1], ref) for i in range(50, 60)], 1)
+    b = torch.cat([forward(deep_llama, ids[:, :50], exact)] + [forward(deep_llama, ids[:, i : i + 1], exact) for i in range(50, 60)], 1)
+    torch.testing.assert_close(a, b, atol=2e-3, rtol=0)  # only pending-token precision differs
+    merged = CompressedCache(deep_llama.config, "minicache:gamma=0.0,block=8+fp8")
+    c = torch.cat([forward(deep_llama, ids[:, :50], merged)] + [forward(deep_llama, ids[:, i : i + 1], merged) for i in range(50, 60)], 1)
+    assert (a - c).abs().max() > 10 * (a - b).abs().max()
+
+
+def test_minicache_merged_pair_holds_one_direction():
+    from kvstrata.codecs.minicache import MiniCache
+
+    base = torch.randn(1, 3, 20, 16)
+    x = torch.stack([base, 2.5 * base])  # same directions, different magnitudes
+    block = MiniCache(gamma=0.0).encode(x, x, None, "bf16", {})
+    k0, v1 = block.layer(0, 2, torch.float32)[0], block.layer(1, 2, torch.float32)[1]
+    torch.testing.assert_close(k0, x[0], atol=0.02, rtol=0.01)  # one direction shared, magnitudes restored
+    torch.testing.assert_close(v1, x[1], atol=0.05, rtol=0.01)
+    assert block.nbytes() < 2 * 2 * (3 * 20 * 16 * 2)  # less than two bf16 layers of K and V
