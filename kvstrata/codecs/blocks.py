@@ -19,19 +19,19 @@ def to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     x = x.float()
     if pad:
         x = torch.nn.functional.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, block)
+    return x.reshape(*x.shape[:-1], (n + pad) // block, block)
 
 
 def from_blocks(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Inverse of `to_blocks`: `[..., n_blocks, block]` -> `shape` (padding dropped)."""
-    flat = blocks.reshape(*blocks.shape[:-2], -1)
+    flat = blocks.reshape(*blocks.shape[:-2], blocks.shape[-2] * blocks.shape[-1])
     return flat[..., : shape[-1]].reshape(shape)
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned `bits`-wide codes along the last dim, lowest element in the low bits."""
     per_byte = 8 // bits
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per_byte)
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     out = torch.zeros(c.shape[:-1], dtype=torch.uint8, device=codes.device)
     for i in range(per_byte):
         out |= c[..., i] << (bits * i)
@@ -43,4 +43,4 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = 8 // bits
     mask = (1 << bits) - 1
     parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
-    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)

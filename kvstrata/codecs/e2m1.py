@@ -48,4 +48,4 @@ _PAIRS = _pair_table()
 def decode_e2m1_packed(packed: torch.Tensor) -> torch.Tensor:
     """uint8 `[..., m]` (two codes per byte, low nibble first) -> float32 `[..., 2m]`, one lookup."""
     table = _PAIRS if _PAIRS.device == packed.device else _PAIRS.to(packed.device)
-    return table[packed.long()].reshape(*packed.shape[:-1], -1)
+    return table[packed.long()].reshape(*packed.shape[:-1], packed.shape[-1] * 2)

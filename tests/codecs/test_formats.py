@@ -138,3 +138,10 @@ def test_bad_specs_name_the_problem():
 def test_int_refuses_values_beyond_fp16_scale_range():
     with pytest.raises(ValueError, match="fp16"):
         quantize(torch.tensor([1e6, 0.0]), "int4")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4", "int4", "int2"])
+def test_empty_tensors_round_trip(fmt):
+    x = torch.zeros(2, 0, 32)
+    q = quantize(x, fmt)
+    assert q.dequantize().shape == (2, 0, 32)
