@@ -9,11 +9,17 @@ from pathlib import Path
 
 
 def _cmd_methods(args) -> int:
-    from kvstrata.methods import METHODS
+    import dataclasses
 
+    from kvstrata.codecs import CODECS
+    from kvstrata.keep import KEEP_POLICIES
+    from kvstrata.methods import DEPTH_METHODS, METHODS
+
+    classes = {**CODECS, **KEEP_POLICIES, **DEPTH_METHODS}
     for entry in METHODS.values():
-        defaults = ",".join(f"{k}={v}" for k, v in entry.defaults.items())
-        print(f"{entry.name:<8} {entry.stratum:<6} {entry.summary}  [{defaults}]")
+        params = {f.name: f.default for f in dataclasses.fields(classes[entry.name])} | entry.defaults
+        defaults = ",".join(f"{k}={v}" for k, v in params.items())
+        print(f"{entry.name:<10} {entry.stratum:<6} {entry.summary}  [{defaults}]")
     return 0
 
 
