@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvstrata.codecs import CODECS, coerce_params, get_codec, split_spec
+from kvstrata.codecs import CODECS, build, coerce_params, get_codec, split_spec
 from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.depth import FreqDepth
 from kvstrata.codecs.minicache import MiniCache
@@ -41,19 +41,11 @@ class StoreRecipe:
 
     def depth_config(self):
         """The depth-sharing codec (FreqDepth, MiniCache) instance, or None."""
-        if self.depth is None:
-            return None
-        name, params = split_spec(self.depth)
-        cls = DEPTH_METHODS[name]
-        return cls(**coerce_params(cls, params, f"method {name}"))
+        return build(self.depth, DEPTH_METHODS) if self.depth else None
 
     def keep_policy(self):
         """The keep policy instance, or None when every token is kept."""
-        if self.keep is None:
-            return None
-        name, params = split_spec(self.keep)
-        cls = KEEP_POLICIES[name]
-        return cls(**coerce_params(cls, params, f"method {name}"))
+        return build(self.keep, KEEP_POLICIES) if self.keep else None
 
     @property
     def key_group(self) -> int:
@@ -97,11 +89,6 @@ class MethodSpec:
         return self.text
 
 
-def _parse_keep(name: str, params: dict[str, str]) -> str:
-    cls = KEEP_POLICIES[name]
-    return codec_spec(cls(**coerce_params(cls, params, f"method {name}")))
-
-
 def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
     """A store component -> StoreRecipe; a keep component -> its canonical spec string."""
     name, params = split_spec(text)
@@ -111,10 +98,9 @@ def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
         raise ValueError(f"unknown method {name!r} in {text!r} (known: {', '.join(METHODS)})")
     entry = METHODS[name]
     if entry.stratum == "keep":
-        return _parse_keep(name, params)
+        return codec_spec(build(text, KEEP_POLICIES))
     if entry.stratum == "depth":
-        cls = DEPTH_METHODS[name]
-        return ("depth", codec_spec(cls(**coerce_params(cls, params, f"method {name}"))))
+        return ("depth", codec_spec(build(text, DEPTH_METHODS)))
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     try:

@@ -29,13 +29,18 @@ def split_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name.strip().lower(), params
 
 
+def build(spec: str, registry: dict[str, type], kind: str = "method"):
+    """Instance of the registry entry a spec names, with its parameters typed and checked."""
+    name, params = split_spec(spec)
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r} (known: {', '.join(registry)})")
+    cls = registry[name]
+    return cls(**coerce_params(cls, params, f"{kind} {name}"))
+
+
 def get_codec(spec: str) -> Codec:
     """Codec instance for a spec such as `nvfp4`, `fp8:block=32` or `int4:group=64`."""
-    name, params = split_spec(spec)
-    if name not in CODECS:
-        raise ValueError(f"unknown codec {name!r} (known: {', '.join(CODECS)})")
-    cls = CODECS[name]
-    return cls(**coerce_params(cls, params, f"codec {name}"))
+    return build(spec, CODECS, "codec")
 
 
 def quantize(x: torch.Tensor, fmt: str) -> QTensor:
@@ -47,4 +52,4 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     return get_codec(fmt).encode(x)
 
 
-__all__ = ["CODECS", "Codec", "QTensor", "get_codec", "quantize", "split_spec"]
+__all__ = ["CODECS", "Codec", "QTensor", "build", "get_codec", "quantize", "split_spec"]
