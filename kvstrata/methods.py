@@ -20,6 +20,7 @@ from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.depth import FreqDepth
 from kvstrata.codecs.minicache import MiniCache
 from kvstrata.keep import KEEP_POLICIES
+from kvstrata.read.sparse import TopK
 
 LAYER_CLASSES = ("full", "sliding")
 
@@ -38,6 +39,11 @@ class StoreRecipe:
     key_axis: str = "token"
     keep: str | None = None  # canonical keep-policy spec, applied to the context after prefill
     depth: str | None = None  # canonical depth-sharing spec (FreqDepthKV) for groups of adjacent layers
+    read: str | None = None  # canonical read-stratum spec (top-k sparse decode reads)
+
+    def read_config(self):
+        """The sparse-read config (TopK) instance, or None for dense reads."""
+        return build(self.read, READ_METHODS) if self.read else None
 
     def depth_config(self):
         """The depth-sharing codec (FreqDepth, MiniCache) instance, or None."""
@@ -72,6 +78,8 @@ METHODS: dict[str, MethodEntry] = {name: _codec_entry(name) for name in CODECS}
 METHODS.update({name: MethodEntry(name, "keep", cls.summary) for name, cls in KEEP_POLICIES.items()})
 DEPTH_METHODS = {c.name: c for c in (FreqDepth, MiniCache)}
 METHODS.update({name: MethodEntry(name, "depth", cls.summary) for name, cls in DEPTH_METHODS.items()})
+READ_METHODS = {c.name: c for c in (TopK,)}
+METHODS.update({name: MethodEntry(name, "read", cls.summary) for name, cls in READ_METHODS.items()})
 
 
 @dataclass(frozen=True)
@@ -99,8 +107,9 @@ def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
     entry = METHODS[name]
     if entry.stratum == "keep":
         return codec_spec(build(text, KEEP_POLICIES))
-    if entry.stratum == "depth":
-        return ("depth", codec_spec(build(text, DEPTH_METHODS)))
+    if entry.stratum in ("depth", "read"):
+        registry = DEPTH_METHODS if entry.stratum == "depth" else READ_METHODS
+        return (entry.stratum, codec_spec(build(text, registry)))
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     try:
@@ -125,14 +134,17 @@ def _parse_recipe(text: str) -> StoreRecipe:
     parsed = [_parse_component(p) for p in parts]
     stores = [r for r in parsed if isinstance(r, StoreRecipe)]
     keeps = [r for r in parsed if isinstance(r, str)]
-    depths = [r[1] for r in parsed if isinstance(r, tuple)]
-    for what, found in (("element codecs", stores), ("keep policies", keeps), ("depth-sharing methods", depths)):
+    depths = [r[1] for r in parsed if isinstance(r, tuple) and r[0] == "depth"]
+    reads = [r[1] for r in parsed if isinstance(r, tuple) and r[0] == "read"]
+    for what, found in (("element codecs", stores), ("keep policies", keeps), ("depth-sharing methods", depths),
+                        ("read methods", reads)):
         if len(found) > 1:
             raise ValueError(f"{text!r} combines {len(found)} {what}; a recipe takes at most one")
     store = stores[0] if stores else StoreRecipe()
     if depths and store.key_axis == "channel":
         store = replace(store, key_axis="token")  # depth blocks group tokens themselves
-    return replace(store, keep=keeps[0] if keeps else None, depth=depths[0] if depths else None)
+    return replace(store, keep=keeps[0] if keeps else None, depth=depths[0] if depths else None,
+                   read=reads[0] if reads else None)
 
 
 def parse_method(text: str) -> MethodSpec:

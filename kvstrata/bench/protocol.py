@@ -22,6 +22,7 @@ from kvstrata.hf.probe import probing
 from kvstrata.hf.run import forward
 from kvstrata.keep import window_scores
 from kvstrata.methods import MethodSpec
+from kvstrata.read import reading
 
 
 @dataclass
@@ -75,30 +76,41 @@ def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) ->
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
     q_ids = tokenizer(question.text, add_special_tokens=False, return_tensors="pt").input_ids
-    t0 = time.perf_counter()
-    logits = forward(model, q_ids, cache)
-    question_s = time.perf_counter() - t0
     new: list[int] = []
     read: list[int] = []
-    t0 = time.perf_counter()
     eos = tokenizer.eos_token_id
-    for _ in range(question.max_new_tokens):
-        nxt = int(logits[0, -1].argmax())
-        new.append(nxt)
-        text = tokenizer.decode(new, skip_special_tokens=True)
-        if nxt == eos or _answer_ended(text):
-            break
-        read.append(cache.nbytes()["total"])  # dense attention reads every entry held
-        logits = forward(model, torch.tensor([[nxt]]), cache)
+    with reading(model, cache, spec) as sparse:
+        t0 = time.perf_counter()
+        logits = forward(model, q_ids, cache)
+        question_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(question.max_new_tokens):
+            nxt = int(logits[0, -1].argmax())
+            new.append(nxt)
+            text = tokenizer.decode(new, skip_special_tokens=True)
+            if nxt == eos or _answer_ended(text):
+                break
+            read.append(cache.nbytes()["total"])  # dense attention reads every entry held
+            logits = forward(model, torch.tensor([[nxt]]), cache)
+        decode_s = time.perf_counter() - t0
     steps = max(len(read), 1)
+    dense_read = sum(read) / steps if read else kv_bytes
     return {
         "output": tokenizer.decode(new, skip_special_tokens=True),
         "kv_bytes": kv_bytes,
         "compress_s": compress_s,
         "question_s": question_s,
-        "decode_s_per_token": (time.perf_counter() - t0) / steps if read else None,
-        "bytes_read_per_step": sum(read) / steps if read else kv_bytes,
+        "decode_s_per_token": decode_s / steps if read else None,
+        # sparse reads count index rows scanned + entries gathered (full-attention layers), plus
+        # what the layers that stay dense (sliding windows) hold
+        "bytes_read_per_step": _sparse_bytes(sparse, cache, dense_read) if sparse and sparse.steps else dense_read,
+        "dense_bytes_read_per_step": dense_read,
     }
+
+
+def _sparse_bytes(state, cache, dense_read: float) -> float:
+    sparse, dense_full = state.per_step()
+    return sparse + max(0.0, dense_read - dense_full)
 
 
 def _answer_ended(text: str) -> bool:

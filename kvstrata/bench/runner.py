@@ -46,6 +46,8 @@ class BenchConfig:
 def family(spec: str) -> str:
     """Method family for colours and grouping: reference, quantization, eviction, eviction+quant."""
     m = parse_method(spec)
+    if m.full.read is not None:
+        return "sparse-read"
     if m.full.depth is not None:
         return "depth"
     keep = m.full.keep is not None
@@ -120,7 +122,8 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
             answers = [protocol.ask(model, tok, pre, specs[method], q) for q in inst.questions]
             scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
             main = answers[0]
-            row.update({k: main[k] for k in ("kv_bytes", "compress_s", "question_s", "decode_s_per_token", "bytes_read_per_step")})
+            row.update({k: main[k] for k in ("kv_bytes", "compress_s", "question_s", "decode_s_per_token",
+                                             "bytes_read_per_step", "dense_bytes_read_per_step")})
             row.update(output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
                        probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], task))
         row["kv_bytes_per_token"] = row["kv_bytes"] / pre.tokens

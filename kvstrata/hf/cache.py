@@ -106,6 +106,13 @@ class CompressedLayer(CacheLayerMixin):
     def stored_tokens(self) -> int:
         return sum(s.visible for s in self.segments) + (self.keys.shape[-2] if self.is_initialized else 0)
 
+    def row_bytes(self, tokens: int = 256) -> tuple[float, float]:
+        """Bytes one token's K row and V row take per KV head once encoded (averaged over a chunk)."""
+        d = self.keys.shape[-1] if self.is_initialized else 0
+        z = torch.zeros(1, 1, tokens, d)
+        seg = encode_segment(self.recipe, z, z)
+        return held_bytes(seg.keys.parts.values()) / tokens, held_bytes(seg.values.parts.values()) / tokens
+
     def nbytes(self) -> int:
         """Bytes held: encoded segments (codes, scales) plus the full-precision tail."""
         if not self.is_initialized:

@@ -48,7 +48,9 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
     """Greedy `model.generate` over a `CompressedCache`; `prompt_ids: [1, tokens]`."""
     spec = parse_method(method) if isinstance(method, str) else method
     cache = CompressedCache(model.config, spec)
-    with torch.inference_mode():
+    from kvstrata.read import reading
+
+    with torch.inference_mode(), reading(model, cache, spec):
         out = model.generate(
             input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,

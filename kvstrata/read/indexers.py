@@ -1,0 +1,50 @@
+"""Indexers: score cached positions for one decode query, per KV head.
+
+`q: [b, q_heads, 1, d]`, `k: [b, kv_heads, n, d]` -> scores `[b, kv_heads, n]`.
+- exact: max over the query heads sharing the KV head of q . k;
+- lightning: V4.1's form `sum_h relu(q_h . k)` over those query heads (unit head weights), on
+  keys rounded through MXFP4 as V4.1 keeps its index keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstrata.codecs import quantize
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Per-query-head logits grouped by KV head: `[b, kv_heads, q_per_kv, n]`."""
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    return torch.einsum("bgqd,bgnd->bgqn", q[:, :, 0].reshape(b, hk, hq // hk, d).float(), k.float())
+
+
+def exact(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return _grouped(q, k).amax(2)
+
+
+def lightning(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return _grouped(q, quantize(k.float(), "mxfp4").dequantize()).relu().sum(2)
+
+
+INDEXERS = {"exact": exact, "lightning": lightning}
+
+
+def hierarchical(scores: torch.Tensor, k: int, block: int = 8, blocks: int | None = None) -> torch.Tensor:
+    """Top-k positions found block-first: max-pool scores over blocks of `block` positions, always
+    keep the newest block, take the top `blocks` blocks, then the top-k positions inside them.
+    `scores: [b, h, n]` -> `[b, h, min(k, candidates)]` positions."""
+    b, h, n = scores.shape
+    nb = -(-n // block)
+    padded = torch.full((b, h, nb * block), float("-inf"), dtype=scores.dtype)
+    padded[..., :n] = scores
+    pooled = padded.reshape(b, h, nb, block).amax(-1)
+    pooled[..., -1] = float("inf")  # the newest block is always a candidate
+    top = pooled.topk(min(blocks or max(1, 4 * k // block), nb), dim=-1).indices
+    cand = (top[..., None] * block + torch.arange(block)).reshape(b, h, -1)
+    cand = cand[cand < n].reshape(b, h, -1)  # every row holds the (possibly partial) newest block once
+    cand_scores = scores.gather(-1, cand)
+    keep = cand_scores.topk(min(k, cand.shape[-1]), dim=-1).indices
+    return cand.gather(-1, keep)
+

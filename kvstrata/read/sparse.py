@@ -1,0 +1,163 @@
+"""Top-k sparse decode attention with a Full / Reindex / Reuse layer schedule (read stratum).
+
+At each decode step a full-attention layer attends to the sink tokens, the recent window and the
+top-k cached positions its schedule mode gives it; nothing else is read:
+  F (Full)    -- scores every cached position with its own indexer and takes its top-k
+                 (plus a 4k candidate set for the Reindex layers after it);
+  R (Reindex) -- re-scores the source Full layer's candidates with its own query, takes its top-k;
+  U (Reuse)   -- takes the source Full layer's top-k as is.
+`schedule` repeats over the full-attention layers, e.g. `F1U3` = one Full then three Reuse.
+Prefill (more than one query) is dense and unchanged. Runs through transformers' public
+`AttentionInterface`; bytes read are counted per step: index keys scanned plus entries gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from kvstrata.read.indexers import INDEXERS, hierarchical
+
+NAME = "kvstrata_sparse"
+
+
+@dataclass(frozen=True)
+class TopK:
+    k: int = 256
+    schedule: str = "F1"
+    indexer: str = "exact"
+    sinks: int = 4
+    window: int = 64
+    hier: bool = False
+    name: ClassVar[str] = "topk"
+    summary: ClassVar[str] = "top-k sparse decode reads (sinks + window + indexed top-k), Full/Reindex/Reuse schedule"
+
+    def __post_init__(self):
+        if self.k < 1 or self.sinks < 0 or self.window < 1:
+            raise ValueError(f"topk: need k >= 1, sinks >= 0, window >= 1; got {self}")
+        if self.indexer not in INDEXERS:
+            raise ValueError(f"topk: unknown indexer {self.indexer!r} (known: {', '.join(INDEXERS)})")
+        self.modes(1)
+
+    def modes(self, n_layers: int) -> list[str]:
+        """The schedule unrolled over `n_layers` full-attention layers; always starts with Full."""
+        parts = re.findall(r"([FRU])(\d+)", self.schedule.upper())
+        if not parts or "".join(f"{m}{c}" for m, c in parts) != self.schedule.upper() or parts[0][0] != "F":
+            raise ValueError(f"topk: schedule must look like F1R3 or F1U1R2 and start with F, got {self.schedule!r}")
+        pattern = [m for m, c in parts for _ in range(int(c))]
+        return [pattern[i % len(pattern)] for i in range(n_layers)]
+
+
+@dataclass
+class ReadState:
+    cfg: TopK
+    modes: dict[int, str]  # layer index -> F / R / U (full-attention layers only)
+    row_bytes: dict[int, tuple[float, float, float]]  # layer -> bytes of one K row, V row, index row
+    source: dict[str, torch.Tensor] = field(default_factory=dict)  # the current Full layer's picks
+    picked: dict[int, torch.Tensor] = field(default_factory=dict)  # last step's positions per layer
+    bytes_read: float = 0.0  # index rows scanned + entries gathered, all decode steps
+    dense_bytes: float = 0.0  # what dense attention would have read
+    steps_seen: int = 0  # Full-layer calls (first layer per step counts one step per Full layer)
+
+    @property
+    def steps(self) -> int:
+        return self.steps_seen // max(1, list(self.modes.values()).count("F"))
+
+    def per_step(self) -> tuple[float, float]:
+        """(sparse, dense) bytes read per decode step."""
+        n = max(1, self.steps)
+        return self.bytes_read / n, self.dense_bytes / n
+
+
+_ACTIVE: list[ReadState] = []
+
+
+def _attend(q, k, v, scaling, mask=None):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores.float(), -1).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
+
+
+def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Positions `[b, kv_heads, m]` (sorted) this layer reads; counts the bytes scanned and gathered."""
+    cfg, (b, heads, n, _) = state.cfg, k.shape
+    kb, vb, ib = state.row_bytes[layer]  # one K row, one V row, one index-key row (per KV head)
+    fixed = torch.cat([torch.arange(min(cfg.sinks, n)), torch.arange(max(0, n - cfg.window), n)]).unique()
+    free = torch.ones(n, dtype=torch.bool)
+    free[fixed] = False
+    middle = int(free.sum())
+    mode = state.modes[layer]
+    if mode == "F":
+        state.steps_seen += 1
+        if cfg.k >= middle:  # everything fits: no index scan needed
+            top = free.nonzero()[:, 0].expand(b, heads, middle)
+            cand = top
+        else:
+            scores = INDEXERS[cfg.indexer](q, k).masked_fill(~free, float("-inf"))
+            state.bytes_read += n * heads * ib
+            top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
+            cand = scores.topk(min(4 * cfg.k, middle), -1).indices
+        state.source = {"top": top, "cand": cand}
+    elif mode == "R":
+        cand = state.source["cand"]
+        sub = INDEXERS[cfg.indexer](q, k.gather(2, cand[..., None].expand(-1, -1, -1, k.shape[-1])))
+        state.bytes_read += cand.shape[-1] * heads * ib
+        top = cand.gather(-1, sub.topk(min(cfg.k, cand.shape[-1]), -1).indices)
+    else:
+        top = state.source["top"]
+    idx = torch.cat([fixed.expand(b, heads, -1), top], -1).sort(-1).values
+    state.bytes_read += idx.shape[-1] * heads * (kb + vb)
+    state.dense_bytes += n * heads * (kb + vb)
+    state.picked[layer] = idx
+    return idx
+
+
+def _sparse_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    state = _ACTIVE[-1] if _ACTIVE else None
+    layer = module.layer_idx
+    if state is None or query.shape[2] != 1 or layer not in state.modes:
+        mask = attention_mask[..., : key.shape[-2]] if attention_mask is not None else None
+        return _attend(query, key, value, scaling, mask)
+    idx = select(state, layer, query, key)
+    gather = idx[..., None].expand(-1, -1, -1, key.shape[-1])
+    return _attend(query, key.gather(2, gather), value.gather(2, gather), scaling)
+
+
+AttentionInterface.register(NAME, _sparse_attention)
+AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+def index_row_bytes(cfg: TopK, layer) -> float:
+    """Bytes one index key takes: the K row itself (exact) or an MXFP4 copy (lightning)."""
+    if cfg.indexer == "lightning":
+        from kvstrata.codecs import quantize
+
+        return quantize(torch.zeros(1, layer.keys.shape[-1]), "mxfp4").nbytes
+    return layer.row_bytes()[0]
+
+
+@contextlib.contextmanager
+def sparse_reading(model, cache, cfg: TopK):
+    """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
+    full = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
+    modes = dict(zip(full, cfg.modes(len(full))))
+    state = ReadState(cfg, modes, {i: (*cache.layers[i].row_bytes(), index_row_bytes(cfg, cache.layers[i])) for i in full})
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(NAME)
+    _ACTIVE.append(state)
+    try:
+        yield state
+    finally:
+        _ACTIVE.pop()
+        model.set_attn_implementation(previous)

@@ -1,0 +1,97 @@
+"""Top-k sparse decode reads: exactness at full k, schedule semantics, indexers, byte counts."""
+
+import pytest
+import torch
+
+from kvstrata.hf import CompressedCache
+from kvstrata.hf.run import forward, generate
+from kvstrata.methods import parse_method
+from kvstrata.models.tiny import byte_tokenizer
+from kvstrata.read import TopK, reading
+from kvstrata.read.indexers import exact, hierarchical, lightning
+
+IDS = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))
+
+
+def decode(model, spec, steps=10):
+    spec = parse_method(spec)
+    cache = CompressedCache(model.config, spec)
+    forward(model, IDS[:, :150], cache)
+    with reading(model, cache, spec) as state:
+        out = [forward(model, IDS[:, i : i + 1], cache) for i in range(150, 150 + steps)]
+    return torch.cat(out, 1), state
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_k_covering_the_cache_equals_dense(arch, tiny_llama, tiny_gemma):
+    model = tiny_llama if arch == "llama" else tiny_gemma
+    dense, _ = decode(model, "nvfp4")
+    sparse, state = decode(model, "topk:k=4096,schedule=F1U1R1+nvfp4")
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=0)
+    assert state.steps == 10
+
+
+def test_reuse_layers_read_the_source_layers_positions(tiny_llama):
+    _, state = decode(tiny_llama, "topk:k=16,window=8,schedule=F1U3")
+    assert list(state.modes.values()) == ["F", "U", "U", "U"]
+    for layer in (1, 2, 3):
+        assert torch.equal(state.picked[layer], state.picked[0])
+
+
+def test_reindex_picks_among_the_source_candidates(tiny_llama):
+    _, state = decode(tiny_llama, "topk:k=8,window=8,sinks=2,schedule=F1R3")
+    fixed = set(range(2)) | set(range(159 - 8 + 1, 160))
+    for layer in (1, 2, 3):
+        for head in range(2):
+            own = set(state.picked[layer][0, head].tolist()) - fixed
+            assert own <= set(state.source["cand"][0, head].tolist())
+            assert len(own) == 8
+
+
+def test_every_selected_position_is_causal_and_in_budget(tiny_llama):
+    _, state = decode(tiny_llama, "topk:k=12,window=16,sinks=4")
+    for idx in state.picked.values():
+        assert idx.max() < 160 and idx.min() >= 0
+        assert idx.shape[-1] == 4 + 16 + 12
+        assert (idx.diff(dim=-1) > 0).all()  # sorted, no duplicates
+
+
+def test_bytes_read_are_counted_and_smaller_than_dense(tiny_llama):
+    _, state = decode(tiny_llama, "topk:k=12,window=16,schedule=F1U3+fp8")
+    sparse, dense = state.per_step()
+    heads, layers = 2, 4
+    kb, vb, ib = state.row_bytes[0]
+    n_avg = sum(range(151, 161)) / 10
+    assert dense == pytest.approx(n_avg * layers * heads * (kb + vb))
+    # one Full layer scans every key; all four gather 32 entries per head
+    assert sparse == pytest.approx(n_avg * heads * ib + layers * heads * 32 * (kb + vb))
+
+
+def test_hierarchical_always_keeps_the_newest_block():
+    scores = torch.randn(2, 3, 100)
+    scores[..., 96:] = -100.0  # the newest (partial) block scores lowest
+    idx = hierarchical(scores, k=44, block=8, blocks=6)  # 5 best full blocks + the newest one
+    assert idx.shape == (2, 3, 44)
+    for row in idx.reshape(-1, 44).tolist():
+        assert set(range(96, 100)) <= set(row)
+    top = hierarchical(scores, k=10, block=8, blocks=6)
+    assert not set(range(96, 100)) & set(top.reshape(-1).tolist())  # a candidate, not forced into the top-k
+
+
+def test_indexers_shapes_and_lightning_form():
+    q, k = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 50, 32)
+    assert exact(q, k).shape == lightning(q, k).shape == (1, 2, 50)
+    assert (lightning(q, k) >= 0).all()
+
+
+def test_generate_with_sparse_reads(tiny_llama):
+    g = generate(tiny_llama, byte_tokenizer(), IDS[:, :60], "topk:k=8,window=8+mxfp4", max_new_tokens=4)
+    assert len(g.new_tokens) == 4
+
+
+def test_bad_read_specs():
+    with pytest.raises(ValueError, match="schedule"):
+        parse_method("topk:schedule=U1F1")
+    with pytest.raises(ValueError, match="unknown indexer"):
+        parse_method("topk:indexer=magic")
+    assert TopK(schedule="F1R3").modes(6) == ["F", "R", "R", "R", "F", "R"]
