@@ -220,6 +220,15 @@ def _cmd_chat(args) -> int:
     return 0
 
 
+def _cmd_topk_overlap(args) -> int:
+    from kvstrata.bench.topk_overlap import run
+
+    for name, r in run(list(_csv(args.model)), args.tokens, args.k, Path(args.out)).items():
+        adj = r["adjacent"]
+        print(f"{name}: mean top-{r['k']} overlap of adjacent full-attention layers {sum(adj) / max(len(adj), 1):.3f}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -295,6 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--max-new-tokens", type=int, default=32)
     ch.add_argument("--forget-swa-before", type=int, nargs="*", help="turn numbers before which the SWA pool is emptied")
     ch.set_defaults(func=_cmd_chat)
+
+    to = sub.add_parser("topk-overlap", help="top-k overlap between layers (evidence for Reuse schedules)")
+    to.add_argument("--model", default="smollm2-135m,gemma3-270m")
+    to.add_argument("--tokens", type=int, default=4096)
+    to.add_argument("--k", type=int, default=256)
+    to.add_argument("--out", default="docs/results/read")
+    to.set_defaults(func=_cmd_topk_overlap)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)

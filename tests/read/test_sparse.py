@@ -95,3 +95,12 @@ def test_bad_read_specs():
     with pytest.raises(ValueError, match="unknown indexer"):
         parse_method("topk:indexer=magic")
     assert TopK(schedule="F1R3").modes(6) == ["F", "R", "R", "R", "F", "R"]
+
+
+def test_topk_overlap_matrix(tiny_llama):
+    from kvstrata.bench.topk_overlap import overlap_matrix
+
+    layers, m = overlap_matrix(tiny_llama, IDS[:, :100], k=10, queries=4)
+    assert layers == [0, 1, 2, 3] and m.shape == (4, 4)
+    assert torch.allclose(m.diagonal(), torch.ones(4))
+    assert ((m >= 0) & (m <= 1)).all()
