@@ -42,7 +42,10 @@ def summarise(rows: list[dict]) -> dict:
         ref = [r for r in rs if r["method"] == "bf16"]
         usable = {t: (_avg([r["score"] for r in ref if r["task"] == t]) or 0) >= USABLE for t in tasks if t not in FIDELITY}
         methods = {}
-        for m in dict.fromkeys(r["method"] for r in rs):
+        names = list(dict.fromkeys(r["method"] for r in rs))
+        # failures are compared over the tasks every method ran (extra methods may skip some)
+        common = set.intersection(*({r["task"] for r in rs if r["method"] == m} for m in names))
+        for m in names:
             mr = [r for r in rs if r["method"] == m]
             per_task = {t: _avg([r["score"] for r in mr if r["task"] == t]) for t in tasks}
             ranked = [per_task[t] for t in tasks if t in RETRIEVAL and usable.get(t)]
@@ -55,8 +58,8 @@ def summarise(rows: list[dict]) -> dict:
                 "compression": _avg([r["compression"] for r in mr]),
                 "retrieval": _avg(ranked),
                 "per_task": per_task,
-                "fail_retrieval": sum(r["failure"] == "retrieval" for r in mr),
-                "fail_reasoning": sum(r["failure"] == "reasoning" for r in mr),
+                "fail_retrieval": sum(r["failure"] == "retrieval" for r in mr if r["task"] in common),
+                "fail_reasoning": sum(r["failure"] == "reasoning" for r in mr if r["task"] in common),
                 "kl": _avg([r.get("kl") for r in fid]),
                 "top1": _avg([r.get("top1") for r in fid]),
                 "ppl_change": _avg([r["ppl"] / r["ref_ppl"] - 1 for r in fid]) if fid else None,
@@ -66,7 +69,8 @@ def summarise(rows: list[dict]) -> dict:
                 "decode_s_per_token": _avg([r["decode_s_per_token"] for r in mr]),
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in mr),
             }
-        out[key] = {"methods": methods, "usable": usable, "tasks": tasks, "n": max(_count(rs, t) for t in tasks)}
+        out[key] = {"methods": methods, "usable": usable, "tasks": tasks, "n": max(_count(rs, t) for t in tasks),
+                    "common": sorted(common - set(FIDELITY))}
     return out
 
 
@@ -87,6 +91,8 @@ def markdown(summary: dict) -> str:
         if unusable:
             lines.append(f"Tasks the uncompressed `bf16` reference scores below {USABLE:.0%} on (beyond this model; "
                          f"shown, not used to rank): {', '.join(unusable)}.\n")
+        lines.append(f"Failures (`fail: retr / reas`) count questions over the tasks every method here ran: "
+                     f"{', '.join(s['common'])}. `–` = not run.\n")
         head = ["method", "family", "B/token", "× smaller", "retrieval"] + tasks + \
                ["fail: retr / reas", "KL", "top-1", "Δppl", "B read/step", "prefill s", "decode s/tok", "peak RSS MB"]
         lines.append("| " + " | ".join(head) + " |")
@@ -102,6 +108,25 @@ def markdown(summary: dict) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def compact(summary: dict) -> str:
+    """One row per method, per (model, length): compression vs bf16, bytes read per decode step as a
+    share of bf16's, retrieval on usable tasks, fidelity top-1 (what the README shows)."""
+    keys = list(summary)
+    methods = list(dict.fromkeys(m for s in summary.values() for m in s["methods"]))
+    head = ["method"] + [f"{m} {L // 1024}k: ×smaller / read / retrieval / top-1" for m, L in keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        cells = [f"`{m}`"]
+        for k in keys:
+            r = summary[k]["methods"].get(m)
+            ref = summary[k]["methods"].get("bf16")
+            read = r["bytes_read_per_step"] / ref["bytes_read_per_step"] if r and ref and ref["bytes_read_per_step"] else None
+            cells.append("–" if r is None else
+                         f"{_f(r['compression'])} / {_f(read, '{:.0%}')} / {_f(r['retrieval'])} / {_f(r['top1'])}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plots(summary: dict, out: Path) -> list[Path]:
@@ -156,6 +181,7 @@ def write_report(out: Path) -> Path:
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]
     (out / "report.md").write_text("\n".join(md))
+    (out / "summary.md").write_text(compact(summary))
     (out / "report.html").write_text(_html("\n".join(md[:2]), markdown(summary), pngs))
     return out / "report.md"
 
