@@ -60,15 +60,14 @@ def plot(result: dict, title: str, path: Path) -> None:
 
 
 def run(model_names: list[str], tokens: int, group: int, out: Path) -> dict:
-    from kvstrata.bench.haystack import filler
+    from kvstrata.bench.haystack import natural_ids
     from kvstrata.models import load
 
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in model_names:
         model, tok = load(name)
-        count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-        ids = tok("".join(filler("natural", tokens, count, seed=3)), return_tensors="pt").input_ids[:, :tokens]
+        ids = torch.tensor([natural_ids(tok, tokens, seed=3)])
         r = similarity(*layer_kv(model, ids), group)
         results[name] = r
         plot(r, f"{name}: adjacent-layer KV similarity ({r['tokens']} tokens)", out / f"depth_{name}.png")

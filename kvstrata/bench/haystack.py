@@ -39,3 +39,9 @@ def filler(kind: str, n_tokens: int, count_tokens, seed: int = 0) -> list[str]:
         total += per
         i += 1
     return out
+
+
+def natural_ids(tokenizer, n_tokens: int, seed: int = 0) -> list[int]:
+    """About `n_tokens` token ids of natural prose (with the tokenizer's special tokens), cut to `n_tokens`."""
+    count = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
+    return tokenizer("".join(filler("natural", n_tokens + 64, count, seed))).input_ids[:n_tokens]

@@ -40,11 +40,9 @@ def _compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
 
 
 def replay_and_ttft(model, tok, tokens: int, windows=(1, 2, 4), method: str = "bf16", block: int = 256, root: Path | None = None) -> dict:
-    from kvstrata.bench.haystack import filler
+    from kvstrata.bench.haystack import natural_ids
 
-    count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-    text = "".join(filler("natural", tokens + 64, count, seed=7))
-    ids = tok(text).input_ids[: tokens + 32]
+    ids = natural_ids(tok, tokens + 32, seed=7)
     prompt, cont = ids[:tokens], ids[tokens : tokens + 32]
     window = max(w for c, w in layer_classes(model.config) if c == "sliding")
     root = Path(root or tempfile.mkdtemp(prefix="kvstrata-store-"))

@@ -50,15 +50,14 @@ def run(model_names: list[str], tokens: int, k: int, out: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvstrata.bench.haystack import filler
+    from kvstrata.bench.haystack import natural_ids
     from kvstrata.models import load
 
     out.mkdir(parents=True, exist_ok=True)
     result = {}
     for name in model_names:
         model, tok = load(name)
-        count = lambda s: len(tok(s, add_special_tokens=False).input_ids)  # noqa: E731
-        ids = tok("".join(filler("natural", tokens, count, seed=5)), return_tensors="pt").input_ids[:, :tokens]
+        ids = torch.tensor([natural_ids(tok, tokens, seed=5)])
         layers, m = overlap_matrix(model, ids, k)
         adjacent = [m[a, a + 1].item() for a in range(len(layers) - 1)]
         result[name] = {"layers": layers, "k": k, "tokens": ids.shape[1], "overlap": m.tolist(), "adjacent": adjacent}
