@@ -13,9 +13,9 @@ def _cmd_methods(args) -> int:
 
     from kvstrata.codecs import CODECS
     from kvstrata.keep import KEEP_POLICIES
-    from kvstrata.methods import DEPTH_METHODS, METHODS
+    from kvstrata.methods import DEPTH_METHODS, METHODS, READ_METHODS
 
-    classes = {**CODECS, **KEEP_POLICIES, **DEPTH_METHODS}
+    classes = {**CODECS, **KEEP_POLICIES, **DEPTH_METHODS, **READ_METHODS}
     for entry in METHODS.values():
         params = {f.name: f.default for f in dataclasses.fields(classes[entry.name])} | entry.defaults
         defaults = ",".join(f"{k}={v}" for k, v in params.items())
