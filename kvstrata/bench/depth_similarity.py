@@ -47,7 +47,7 @@ def plot(result: dict, title: str, path: Path) -> None:
               ("k_low", f"K energy in lowest depth freq (G={result['group']})"),
               ("v_low", f"V energy in lowest depth freq (G={result['group']})")]
     for ax, (key, label) in zip(axes, panels):
-        data = torch.tensor(result[key])
+        data = torch.tensor(result[key]).numpy()
         im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0 if "low" in key else -0.2, vmax=1)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("KV head")

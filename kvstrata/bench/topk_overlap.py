@@ -62,7 +62,7 @@ def run(model_names: list[str], tokens: int, k: int, out: Path) -> dict:
         adjacent = [m[a, a + 1].item() for a in range(len(layers) - 1)]
         result[name] = {"layers": layers, "k": k, "tokens": ids.shape[1], "overlap": m.tolist(), "adjacent": adjacent}
         fig, ax = plt.subplots(figsize=(6, 5))
-        im = ax.imshow(m, vmin=0, vmax=1, cmap="viridis")
+        im = ax.imshow(m.numpy(), vmin=0, vmax=1, cmap="viridis")
         ax.set_xticks(range(len(layers)), layers, fontsize=6)
         ax.set_yticks(range(len(layers)), layers, fontsize=6)
         ax.set_title(f"{name}: top-{k} overlap between full-attention layers")
