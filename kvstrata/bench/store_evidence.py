@@ -58,8 +58,7 @@ def replay_and_ttft(model, tok, tokens: int, windows=(1, 2, 4), method: str = "b
     out["warm_vs_exact"] = _compare(ref, _continuation_logprobs(model, warm, cont))
     for w in windows:
         server.n_win = w * window
-        store.swa_tier._data.clear()
-        store.swa_tier._bytes = 0
+        store.swa_tier.clear()
         rep = server.serve(prompt)
         assert rep.kind == "replay"
         row = {"n_win": w * window, "windows": w, "computed_tokens": rep.computed_tokens, "ttft_s": rep.ttft_s,

@@ -52,20 +52,22 @@ class MiniCache:
         kept = torch.stack([x[j].gather(-2, idx[..., None].expand(-1, -1, -1, x.shape[-1])) for j in range(2)])
         return {"dir": c.encode(merged), "norms": norms[..., 0].half(), "idx": idx.to(torch.int32), "kept": c.encode(kept)}
 
-    def decode(self, part: dict, j: int, dtype) -> torch.Tensor:
-        x = part["dir"].dequantize(torch.float32) * part["norms"][j].float()[..., None]
-        idx = part["idx"].long()[..., None].expand(-1, -1, -1, x.shape[-1])
-        return x.scatter(-2, idx, part["kept"].dequantize(torch.float32)[j]).to(dtype)
+
+
+def _decode(part: dict, j: int, dtype) -> torch.Tensor:
+    """Layer `j` of one merged pair: shared direction x its own magnitudes, unmerged tokens put back."""
+    x = part["dir"].dequantize(torch.float32) * part["norms"][j].float()[..., None]
+    idx = part["idx"].long()[..., None].expand(-1, -1, -1, x.shape[-1])
+    return x.scatter(-2, idx, part["kept"].dequantize(torch.float32)[j]).to(dtype)
 
 
 class MergedBlock:
     def __init__(self, tokens: int, parts: list[dict]):
-        self.tokens, self.parts, self.codec = tokens, parts, None
+        self.tokens, self.parts = tokens, parts
 
     def nbytes(self) -> int:
         return held_bytes(t for p in self.parts for v in p.values()
                           for t in (v.parts.values() if isinstance(v, QTensor) else [v]))
 
     def layer(self, j: int, g: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        mc = MiniCache()
-        return mc.decode(self.parts[0], j, dtype), mc.decode(self.parts[1], j, dtype)
+        return _decode(self.parts[0], j, dtype), _decode(self.parts[1], j, dtype)

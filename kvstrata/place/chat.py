@@ -35,10 +35,7 @@ def chat(model, tokenizer, server: PrefixServer, turns: Iterable[str], max_new_t
     log = []
     for n, text in enumerate(turns, 1):
         if n in forget_swa_before:  # as if the SWA TTL ran out while the user was away
-            clear = getattr(server.store.swa_tier, "_data", None)
-            if clear is not None:
-                clear.clear()
-                server.store.swa_tier._bytes = 0
+            server.store.swa_tier.clear()
         ids = history + tokenizer(("" if not history else "\n") + text, add_special_tokens=not history).input_ids
         served = server.serve(ids)
         t0 = time.perf_counter()

@@ -68,6 +68,11 @@ class MemoryTier:
         if key in self._data:
             self._drop(key)
 
+    def clear(self) -> None:
+        """Drop every entry (e.g. to simulate the SWA pool losing a session's state)."""
+        self._data.clear()
+        self._bytes = 0
+
     def keys(self) -> list[str]:
         return list(self._data)
 
