@@ -94,10 +94,18 @@ def _cmd_bench(args) -> int:
     from kvstrata.bench.tasks import TASKS
     from kvstrata.methods import parse_method
 
+    from kvstrata.bench.peers import DEFAULT_PEERS, parse_peer
+
     q = QUICK if args.quick else {}
-    methods = _split_methods(args.methods) if args.methods else q.get("methods", DEFAULT_METHODS)
+    if args.methods == "none":
+        methods = []
+    else:
+        methods = _split_methods(args.methods) if args.methods else q.get("methods", DEFAULT_METHODS)
     for m in methods:
         parse_method(m)  # fail before any model loads
+    peers = () if args.peers is None else DEFAULT_PEERS if args.peers == "default" else _csv(args.peers)
+    for p in peers:
+        parse_peer(p)
     models = _csv(args.model) if args.model else q.get("models", ("smollm2-135m",))
     lengths = tuple(int(x) for x in _csv(args.lengths)) if args.lengths else q.get("lengths", (2048,))
     pairs = []  # model@L1/L2 picks lengths per model
@@ -114,6 +122,7 @@ def _cmd_bench(args) -> int:
         seed=args.seed,
         haystack=args.haystack,
         out=Path(args.out),
+        peers=tuple(peers),
     )
     path = run(cfg)
     print(f"results: {path}")
@@ -254,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run the benchmark (resumable) and write its report")
     b.add_argument("--model", help="comma-separated models, each optionally @L1/L2 for its own lengths "
                    "(e.g. smollm2-135m@2048/4096,gemma3-270m@4096; default smollm2-135m)")
-    b.add_argument("--methods", help="comma-separated method specs (default: the first table's methods)")
+    b.add_argument("--methods", help="comma-separated method specs (default: the first table's methods; "
+                   "'none' to run only --peers)")
+    b.add_argument("--peers", help="comma-separated peer specs run on the same instances, or 'default': "
+                   "kvpress:<press>:cr=<ratio> (own environment, created on first use) and "
+                   "qcache:<quanto|hqq>:int<2|4> (transformers' QuantizedCache)")
     b.add_argument("--tasks", help="comma-separated tasks: single,multikey,multivalue,multiquery,vartrack,fidelity")
     b.add_argument("--lengths", help="comma-separated context lengths in tokens (default 2048)")
     b.add_argument("--n", type=int, help="instances per task and length (default 20)")

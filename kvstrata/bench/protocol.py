@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,36 +76,49 @@ def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) ->
     """Answer `question` from `spec`'s cache of the prefilled context; output text and costs."""
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
-    q_ids = tokenizer(question.text, add_special_tokens=False, return_tensors="pt").input_ids
-    new: list[int] = []
-    read: list[int] = []
-    eos = tokenizer.eos_token_id
     with reading(model, cache, spec) as sparse:
-        t0 = time.perf_counter()
-        logits = forward(model, q_ids, cache)
-        question_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(question.max_new_tokens):
-            nxt = int(logits[0, -1].argmax())
-            new.append(nxt)
-            text = tokenizer.decode(new, skip_special_tokens=True)
-            if nxt == eos or _answer_ended(text):
-                break
-            read.append(cache.nbytes()["total"])  # dense attention reads every entry held
-            logits = forward(model, torch.tensor([[nxt]]), cache)
-        decode_s = time.perf_counter() - t0
-    steps = max(len(read), 1)
-    dense_read = sum(read) / steps if read else kv_bytes
+        res = greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"])
+    dense_read = res.pop("dense_read") or kv_bytes
     return {
-        "output": tokenizer.decode(new, skip_special_tokens=True),
+        **res,
         "kv_bytes": kv_bytes,
         "compress_s": compress_s,
-        "question_s": question_s,
-        "decode_s_per_token": decode_s / steps if read else None,
         # sparse reads count index rows scanned + entries gathered (full-attention layers), plus
         # what the layers that stay dense (sliding windows) hold
         "bytes_read_per_step": _sparse_bytes(sparse, cache, dense_read) if sparse and sparse.steps else dense_read,
         "dense_bytes_read_per_step": dense_read,
+    }
+
+
+def greedy(model, tokenizer, cache, question: Question, held: Callable[[], float], position: int | None = None) -> dict:
+    """Feed `question` after the context held in `cache` and decode greedily until the answer ends.
+
+    `held()` is what the cache holds (dense attention reads all of it each step). `position`, when
+    given, is the context's length in tokens: caches that dropped entries (eviction peers) then
+    still place the question at its true positions."""
+    q_ids = tokenizer(question.text, add_special_tokens=False, return_tensors="pt").input_ids
+    pos = None if position is None else torch.arange(position, position + q_ids.shape[1])[None]
+    new: list[int] = []
+    read: list[float] = []
+    eos = tokenizer.eos_token_id
+    t0 = time.perf_counter()
+    logits = forward(model, q_ids, cache, position_ids=pos)
+    question_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(question.max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        new.append(nxt)
+        if nxt == eos or _answer_ended(tokenizer.decode(new, skip_special_tokens=True)):
+            break
+        read.append(held())
+        pos = None if pos is None else pos[:, -1:] + 1
+        logits = forward(model, torch.tensor([[nxt]]), cache, position_ids=pos)
+    decode_s = time.perf_counter() - t0
+    return {
+        "output": tokenizer.decode(new, skip_special_tokens=True),
+        "question_s": question_s,
+        "decode_s_per_token": decode_s / len(read) if read else None,
+        "dense_read": sum(read) / len(read) if read else None,
     }
 
 
@@ -131,7 +145,13 @@ def fidelity(model, pre: Prefill, spec: MethodSpec, cont_ids: torch.Tensor, ref:
     t0 = time.perf_counter()
     got = forward(model, cont_ids, cache, logits_to_keep=cont_ids.shape[1])[0]
     seconds = time.perf_counter() - t0
-    # position i predicts token i+1 of the continuation
+    return {**fidelity_scores(ref, got, cont_ids), "kv_bytes": kv_bytes, "compress_s": compress_s,
+            "question_s": seconds, "decode_s_per_token": None, "bytes_read_per_step": kv_bytes}
+
+
+def fidelity_scores(ref: torch.Tensor, got: torch.Tensor, cont_ids: torch.Tensor) -> dict:
+    """KL(ref || got), top-1 agreement and perplexities from `[tokens, vocab]` logits over a
+    teacher-forced continuation `cont_ids: [1, tokens]` (position i predicts token i+1)."""
     lp_ref = torch.log_softmax(ref[:-1].float(), -1)
     lp = torch.log_softmax(got[:-1].float(), -1)
     target = cont_ids[0, 1:]
@@ -139,8 +159,4 @@ def fidelity(model, pre: Prefill, spec: MethodSpec, cont_ids: torch.Tensor, ref:
     top1 = (lp.argmax(-1) == lp_ref.argmax(-1)).float().mean().item()
     nll = -lp.gather(-1, target[:, None]).mean().item()
     ref_nll = -lp_ref.gather(-1, target[:, None]).mean().item()
-    return {
-        "kl": kl, "top1": top1, "ppl": float(torch.tensor(nll).exp()), "ref_ppl": float(torch.tensor(ref_nll).exp()),
-        "kv_bytes": kv_bytes, "compress_s": compress_s, "question_s": seconds, "decode_s_per_token": None,
-        "bytes_read_per_step": kv_bytes,
-    }
+    return {"kl": kl, "top1": top1, "ppl": float(torch.tensor(nll).exp()), "ref_ppl": float(torch.tensor(ref_nll).exp())}

@@ -35,6 +35,8 @@ def summarise(rows: list[dict]) -> dict:
     """{(model, length): {"methods": {method: summary}, "usable": {task: bool}, "tasks": [...]}}"""
     groups = defaultdict(list)
     for r in rows:
+        if r.get("error"):
+            continue  # a peer's failure: listed by `failures`, not scored
         groups[(r["model"], r["length"])].append(r)
     out = {}
     for key, rs in sorted(groups.items()):

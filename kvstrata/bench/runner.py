@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from kvstrata.bench import protocol
+from kvstrata.bench.peers import is_peer, parse_peer, qcache
 from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL, TASKS, make_instance, score_answer, tag_failure
 from kvstrata.hf.run import bf16_bytes_per_token
 from kvstrata.methods import parse_method
@@ -38,6 +39,8 @@ class BenchConfig:
     out: Path = field(default_factory=lambda: Path("runs/bench"))
     #: explicit (model, length) pairs; default: every model at every length
     pairs: tuple[tuple[str, int], ...] = ()
+    #: peer specs (`kvpress:…`, `qcache:…`) run on the same instances; see kvstrata.bench.peers
+    peers: tuple[str, ...] = ()
 
     def plan(self) -> tuple[tuple[str, int], ...]:
         return self.pairs or tuple((m, L) for m in self.models for L in self.lengths)
@@ -45,6 +48,8 @@ class BenchConfig:
 
 def family(spec: str) -> str:
     """Method family for colours and grouping: reference, quantization, eviction, eviction+quant."""
+    if is_peer(spec):
+        return "peer"
     m = parse_method(spec)
     if m.full.read is not None:
         return "sparse-read"
@@ -76,13 +81,16 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     for t in cfg.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r} (known: {', '.join(TASKS)})")
+    peers = {p: parse_peer(p) for p in cfg.peers}
     specs = {m: parse_method(m) for m in cfg.methods}
+    in_process = [*cfg.methods, *(p for p in cfg.peers if peers[p].project == "qcache")]
+    workers = [p for p in cfg.peers if peers[p].project == "kvpress"]
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / "results.jsonl"
     done = _done(path)
     # instance index outermost: an interrupted run still covers every model, length and task
     cells = [(m, L, t, i) for i in range(cfg.n) for m, L in cfg.plan() for t in cfg.tasks]
-    todo = [c for c in cells if any((*c, meth) not in done for meth in cfg.methods)]
+    todo = [c for c in cells if any((*c, meth) not in done for meth in in_process)]
     _write_meta(cfg)
     bar = tqdm(total=len(todo), desc="bench cells", unit="cell")
     loaded: dict[str, tuple] = {}
@@ -92,12 +100,16 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
                 loaded[model_name] = (load_model or load)(model_name)
             model, tok = loaded[model_name]
             bar.set_postfix_str(f"{model_name} {length} {task}#{index}")
-            missing = [m for m in cfg.methods if (model_name, length, task, index, m) not in done]
+            missing = [m for m in in_process if (model_name, length, task, index, m) not in done]
             for row in run_cell(model, tok, model_name, length, task, index, missing, specs, cfg):
                 f.write(json.dumps(row) + "\n")
                 f.flush()
             bar.update(1)
     bar.close()
+    if workers:
+        from kvstrata.bench.peers.worker_client import run_kvpress
+
+        run_kvpress(cfg, cells, workers, done, path)
     return path
 
 
@@ -105,9 +117,7 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
     inst = make_instance(task, tok, length, index, cfg.seed, cfg.haystack)
     ids = tok(inst.context, return_tensors="pt").input_ids
     pre = protocol.prefill(model, ids)
-    base = {"model": model_name, "length": length, "task": task, "index": index, "context_tokens": pre.tokens,
-            "prefill_s": pre.seconds, "kind": "retrieval" if task in RETRIEVAL else "reasoning" if task in REASONING else "fidelity",
-            "bf16_bytes_per_token": bf16_bytes_per_token(model.config, pre.tokens), **{k: v for k, v in inst.meta.items() if k == "hops"}}
+    base = cell_base(model, model_name, length, inst, pre.tokens, pre.seconds)
     rows = []
     ref = None
     if task in FIDELITY:
@@ -115,23 +125,63 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
         ref = protocol.reference_logits(model, pre, cont)
     for method in methods:
         row = dict(base, method=method, family=family(method))
-        if task in FIDELITY:
-            res = protocol.fidelity(model, pre, specs[method], cont, ref)
-            row.update(res, score=res["top1"], failure=None)
-        else:
-            answers = [protocol.ask(model, tok, pre, specs[method], q) for q in inst.questions]
-            scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
-            main = answers[0]
-            row.update({k: main[k] for k in ("kv_bytes", "compress_s", "question_s", "decode_s_per_token",
-                                             "bytes_read_per_step", "dense_bytes_read_per_step")})
-            row.update(output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
-                       probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], task))
-        row["kv_bytes_per_token"] = row["kv_bytes"] / pre.tokens
-        row["compression"] = row["bf16_bytes_per_token"] / row["kv_bytes_per_token"]
-        row["peak_rss_mb"] = protocol.peak_rss_mb()
-        rows.append(row)
+        peer = parse_peer(method) if is_peer(method) else None
+        if peer is not None:
+            row["peer"] = qcache.describe(peer)
+        try:
+            if task in FIDELITY:
+                res = (qcache.fidelity(model, pre, peer, cont, ref) if peer else
+                       protocol.fidelity(model, pre, specs[method], cont, ref))
+                row.update(res, score=res["top1"], failure=None)
+            else:
+                answers = [qcache.ask(model, tok, pre, peer, q) if peer else protocol.ask(model, tok, pre, specs[method], q)
+                           for q in inst.questions]
+                answered(row, inst, answers)
+        except Exception as exc:
+            if peer is None:
+                raise
+            rows.append(failed(row, exc))  # a peer failing on a model is a result, reported
+            continue
+        rows.append(costed(row, pre.tokens))
     del pre
     return rows
+
+
+def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float) -> dict:
+    """The fields every method's row of one (model, length, task, instance) cell shares."""
+    task = inst.task
+    return {"model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
+            "prefill_s": prefill_s,
+            "kind": "retrieval" if task in RETRIEVAL else "reasoning" if task in REASONING else "fidelity",
+            "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
+            **{k: v for k, v in inst.meta.items() if k == "hops"}}
+
+
+def answered(row: dict, inst, answers: list[dict]) -> dict:
+    """Score the answers to an instance's questions (main first, then probes) into `row`."""
+    scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
+    main = answers[0]
+    row.update({k: main[k] for k in ("kv_bytes", "compress_s", "question_s", "decode_s_per_token",
+                                     "bytes_read_per_step", "dense_bytes_read_per_step", "kv_bytes_in_memory")
+                if k in main})
+    row.update(output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
+               probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], inst.task))
+    return row
+
+
+def failed(row: dict, exc: BaseException) -> dict:
+    """A peer's failure on this cell: how it failed, in place of scores."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    row.update(error=f"{type(exc).__name__}: {message}"[:400], score=None, failure=None)
+    return row
+
+
+def costed(row: dict, tokens: int) -> dict:
+    """Per-token bytes, compression against bf16 and peak memory, once `kv_bytes` is in `row`."""
+    row["kv_bytes_per_token"] = row["kv_bytes"] / tokens
+    row["compression"] = row["bf16_bytes_per_token"] / row["kv_bytes_per_token"]
+    row["peak_rss_mb"] = protocol.peak_rss_mb()
+    return row
 
 
 def _write_meta(cfg: BenchConfig) -> None:

@@ -17,11 +17,15 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 1) -> torch.Tensor:
+def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 1,
+            position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One forward pass appending `input_ids: [batch, tokens]` to `cache`; logits of the last
-    `logits_to_keep` positions: `[batch, logits_to_keep, vocab]`."""
+    `logits_to_keep` positions: `[batch, logits_to_keep, vocab]`. `position_ids` override the
+    positions the model derives from the cache's length (for caches that dropped entries)."""
+    extra = {} if position_ids is None else {"position_ids": position_ids}
     with torch.inference_mode():
-        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
+        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                    **{cache_kwarg(model): cache}, **extra)
     return out.logits
 
 
