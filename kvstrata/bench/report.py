@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from kvstrata.bench.peers import compare
 from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL
 
 FAMILY_COLOURS = {"reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
@@ -179,12 +180,13 @@ def write_report(out: Path) -> Path:
     summary = summarise(rows)
     runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
     meta = runs[-1]
-    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary)]
+    peers = compare.section(summary, rows)
+    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary), peers]
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]
     (out / "report.md").write_text("\n".join(md))
     (out / "summary.md").write_text(compact(summary))
-    (out / "report.html").write_text(_html("\n".join(md[:2]), markdown(summary), pngs))
+    (out / "report.html").write_text(_html("\n".join(md[:2]), markdown(summary) + "\n" + peers, pngs))
     return out / "report.md"
 
 
@@ -201,19 +203,25 @@ def _protocol_note(meta: dict) -> str:
 def _html(intro: str, table_md: str, pngs: list[Path]) -> str:
     body = [f"<p>{html.escape(line)}</p>" for line in intro.splitlines() if line.strip() and not line.startswith("#")]
     rows_html = []
-    for line in table_md.splitlines():
-        if line.startswith("### "):
-            rows_html.append(f"<h3>{html.escape(line[4:])}</h3>")
+    lines = table_md.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("#"):
+            rows_html.append(f"<h3>{html.escape(line.lstrip('#').strip())}</h3>")
         elif line.startswith("|") and "---" not in line:
-            tag = "th" if "method" in line and "family" in line else "td"
+            header = i + 1 < len(lines) and lines[i + 1].startswith("|---")
+            tag = "th" if header else "td"
             cells = "".join(f"<{tag}>{html.escape(c.strip().strip('`'))}</{tag}>" for c in line.strip("|").split("|"))
             rows_html.append(f"<tr>{cells}</tr>")
         elif line.strip():
             rows_html.append(f"<p>{html.escape(line)}</p>")
-    table = "\n".join(rows_html).replace("</h3>\n<tr>", "</h3>\n<table><tr>").replace("</tr>\n<h3>", "</tr></table>\n<h3>")
-    table = table.replace("</tr>\n<p>", "</tr></table>\n<p>")
-    if table.rstrip().endswith("</tr>"):
-        table += "</table>"
+    out, in_table = [], False
+    for item in rows_html:  # consecutive rows form one table
+        is_row = item.startswith("<tr>")
+        if is_row != in_table:
+            out.append("<table>" if is_row else "</table>")
+            in_table = is_row
+        out.append(item)
+    table = "\n".join(out + (["</table>"] if in_table else []))
     imgs = "".join(f'<img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" style="max-width:100%">'
                    for p in pngs)
     style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px}"

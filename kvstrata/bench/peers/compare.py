@@ -1,0 +1,98 @@
+"""The report's peers section: who is ahead per task at matched bytes, and how peers failed."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL
+
+#: bytes per token as a share of bf16's, bucketed so that rows of similar cost meet
+TIERS = (("≈ 1/2 of bf16", 0.40, 0.70), ("≈ 1/4 of bf16", 0.22, 0.40), ("≤ 1/5 of bf16", 0.0, 0.22))
+TIE = 0.02
+
+
+def tier(share: float) -> str | None:
+    for label, lo, hi in TIERS:
+        if lo <= share < hi:
+            return label
+    return None
+
+
+def head_to_head(summary: dict) -> str:
+    """Per model/length, bytes tier and task: the best kvstrata method against the best peer."""
+    lines = []
+    for (model, length), s in summary.items():
+        methods = s["methods"]
+        if not any(r["family"] == "peer" for r in methods.values()):
+            continue
+        ref = methods.get("bf16")
+        full = ref["kv_bytes_per_token"] if ref else max(r["kv_bytes_per_token"] for r in methods.values())
+        tasks = [t for t in s["tasks"] if (t in RETRIEVAL and s["usable"].get(t)) or t in REASONING or t in FIDELITY]
+        body = []
+        for label, _, _ in TIERS:
+            ours = {m: r for m, r in methods.items() if r["family"] not in ("peer", "reference")
+                    and tier(r["kv_bytes_per_token"] / full) == label}
+            theirs = {m: r for m, r in methods.items() if r["family"] == "peer" and tier(r["kv_bytes_per_token"] / full) == label}
+            if not ours or not theirs:
+                continue
+            for t in tasks:
+                a, b = _best(ours, t), _best(theirs, t)
+                if a is None or b is None:
+                    continue
+                verdict = "tie" if abs(a[1] - b[1]) <= TIE else "kvstrata" if a[1] > b[1] else "peer"
+                body.append(f"| {label} | {t}{' (top-1)' if t in FIDELITY else ''} | `{a[0]}` {a[1]:.2f} | "
+                             f"`{b[0]}` {b[1]:.2f} | **{verdict}** |")
+        lines += [f"#### {model}, {length} tokens\n"]
+        lines += (["| bytes/token | task | best kvstrata | best peer | ahead |", "|---|---|---|---|---|", *body]
+                  if body else ["No bytes tier holds both a kvstrata method and a peer here."])
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _best(methods: dict, task: str) -> tuple[str, float] | None:
+    scored = [(m, r["per_task"].get(task)) for m, r in methods.items() if r["per_task"].get(task) is not None]
+    return max(scored, key=lambda x: x[1]) if scored else None
+
+
+def failures(rows: list[dict]) -> str:
+    """One line per (model, peer, error): how a peer failed, on which tasks and lengths."""
+    seen: dict[tuple, set] = defaultdict(set)
+    for r in rows:
+        if r.get("error"):
+            seen[(r["model"], r["method"], r.get("peer", ""), r["error"])].add(f"{r['task']}@{r['length']}")
+    if not seen:
+        return ""
+    lines = ["| model | peer spec | peer | cells | how it failed |", "|---|---|---|---|---|"]
+    for (model, method, peer, error), cells in sorted(seen.items()):
+        lines.append(f"| {model} | `{method}` | {peer} | {len(cells)} ({', '.join(sorted(cells)[:4])}"
+                     f"{', …' if len(cells) > 4 else ''}) | {error.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def masked(rows: list[dict]) -> str:
+    """Head-wise presses mask entries at attention time but keep them: what they hold vs attend."""
+    share = defaultdict(list)
+    for r in rows:
+        if not r.get("error") and r.get("kv_entries_masked"):
+            share[r["method"]].append(r["kv_entries_masked"] / r["kv_entries_held"])
+    return "".join(f"`{m}` masks {sum(v) / len(v):.0%} of the entries it holds at attention time and keeps them in "
+                   "memory, so it is listed at the bytes it holds.\n" for m, v in sorted(share.items()))
+
+
+def section(summary: dict, rows: list[dict]) -> str:
+    """The whole peers section of report.md ('' when no peer ran)."""
+    peer_rows = [r for r in rows if r.get("family") == "peer"]
+    if not peer_rows:
+        return ""
+    versions = sorted({r["peer"] for r in peer_rows if r.get("peer")})
+    out = ["## Peers, same instances\n",
+           "Rows of family `peer` are other projects' implementations run on the exact task instances above (same "
+           "seeds, tokenizer and context ids), with bytes counted from the tensors their caches hold (float tensors "
+           f"at 16 bits, as our `bf16` reference stores them). Versions: {'; '.join(versions)}.\n",
+           masked(peer_rows),
+           "Who is ahead per task at matched bytes (best method of each side inside a bytes tier; ties within "
+           f"{TIE:.2f}):\n", head_to_head(summary)]
+    fails = failures(peer_rows)
+    if fails:
+        out += ["### How peers failed\n", fails]
+    return "\n".join(out)

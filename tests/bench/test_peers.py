@@ -1,0 +1,110 @@
+"""Peers: spec parsing, counting what a peer's cache holds, QuantizedCache rows, the report's section."""
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache, QuantizedCache
+
+from kvstrata.bench.peers import DEFAULT_PEERS, parse_peer
+from kvstrata.bench.peers.compare import head_to_head, tier
+from kvstrata.bench.peers.held import held_bytes
+from kvstrata.bench.report import summarise, write_report
+from kvstrata.bench.runner import BenchConfig, family, run
+from kvstrata.models.tiny import byte_tokenizer
+
+
+def test_parse_peer_canonical_and_defaults():
+    assert parse_peer("kvpress:snapkv:cr=0.720").spec == "kvpress:snapkv:cr=0.72"
+    assert parse_peer("qcache:hqq:int2").params == {"bits": 2}
+    assert family("kvpress:tova:cr=0.5") == "peer"
+    assert all(parse_peer(p).spec == p for p in DEFAULT_PEERS)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("kvpress:nope:cr=0.5", "unknown press"), ("kvpress:snapkv:cr=1.5", "0 <= ratio < 1"),
+    ("kvpress:snapkv:keep=0.5", "cr=<ratio>"), ("qcache:fp8:int4", "unknown QuantizedCache backend"),
+    ("qcache:quanto:int3", "int2 or int4"), ("vllm:x:y", "unknown peer project"), ("kvpress:snapkv", "expected"),
+])
+def test_parse_peer_errors_name_the_problem(spec, words):
+    with pytest.raises(ValueError, match=words):
+        parse_peer(spec)
+
+
+def test_held_bytes_counts_elements_at_16_bits_and_storages_as_held():
+    cache = DynamicCache()
+    for layer in range(2):
+        cache.update(torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8), layer)
+    held = held_bytes(cache)
+    assert held == {"bytes": 2 * 2 * 160 * 2, "in_memory": 2 * 2 * 160 * 4, "entries": 2 * 2 * 10}
+    cache.layers[0].keys = cache.layers[0].keys[:, :, :5]  # a slice: fewer entries, same storage held
+    after = held_bytes(cache)
+    assert after["bytes"] == held["bytes"] - 80 * 2 and after["in_memory"] == held["in_memory"]
+    assert after["entries"] == held["entries"] - 2 * 5
+
+
+@pytest.mark.parametrize("backend", ["hqq", "quanto"])
+def test_held_bytes_reaches_quantized_parts(tiny_llama, backend):
+    cache = QuantizedCache(backend, tiny_llama.config, nbits=4)
+    text = tiny_llama.config
+    shape = (1, text.num_key_value_heads, 128, text.head_dim)
+    for layer in range(text.num_hidden_layers):
+        cache.update(torch.randn(shape), torch.randn(shape), layer)
+    held = held_bytes(cache)
+    dense = 2 * text.num_hidden_layers * torch.Size(shape).numel() * 2
+    # 4-bit codes plus one 16-bit scale and zero per 64 values: 4.5 bits per value
+    assert held["bytes"] == pytest.approx(dense * 4.5 / 16, rel=0.02)
+    assert held["in_memory"] > held["bytes"]  # scales are float32 in this process
+
+
+@pytest.fixture(scope="module")
+def qcache_dir(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("peers")
+    cfg = BenchConfig(models=("tiny-llama",), lengths=(200,), n=1, tasks=("single", "fidelity"), methods=("bf16",),
+                      peers=("qcache:hqq:int4", "qcache:quanto:int2"), out=out)
+    run(cfg, load_model=lambda name: (tiny_llama, byte_tokenizer()))
+    return out
+
+
+def test_qcache_rows_share_the_instances_and_count_held_bytes(qcache_dir):
+    rows = [json.loads(line) for line in (qcache_dir / "results.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in rows} == {"bf16", "qcache:hqq:int4", "qcache:quanto:int2"}
+    by = {(r["task"], r["method"]): r for r in rows}
+    for task in ("single", "fidelity"):
+        ref = by[(task, "bf16")]
+        int4, int2 = by[(task, "qcache:hqq:int4")], by[(task, "qcache:quanto:int2")]
+        assert int4["family"] == "peer" and "QuantizedCache(hqq" in int4["peer"]
+        assert int4["context_tokens"] == ref["context_tokens"]  # the same instance, same tokens
+        assert ref["kv_bytes"] > int4["kv_bytes"] > int2["kv_bytes"] > 0
+    assert by[("fidelity", "qcache:hqq:int4")]["kl"] >= 0
+
+
+def test_peer_failure_is_a_reported_row(tmp_path, tiny_gemma):
+    cfg = BenchConfig(models=("tiny-gemma",), lengths=(160,), n=1, tasks=("single",), methods=("bf16",),
+                      peers=("qcache:hqq:int4",), out=tmp_path)
+    run(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    bad = [r for r in rows if r["method"] == "qcache:hqq:int4"]
+    assert len(bad) == 1 and "only full attention" in bad[0]["error"] and bad[0]["score"] is None
+    assert set(summarise(rows)[("tiny-gemma", 160)]["methods"]) == {"bf16"}
+    md = write_report(tmp_path).read_text()
+    assert "### How peers failed" in md and "only full attention" in md
+
+
+def _method(family, bpt, **scores):
+    return {"family": family, "kv_bytes_per_token": bpt, "per_task": scores}
+
+
+def test_head_to_head_compares_inside_a_bytes_tier():
+    summary = {("m", 4096): {"tasks": ["single", "fidelity"], "usable": {"single": True}, "methods": {
+        "bf16": _method("reference", 1000, single=1.0, fidelity=1.0),
+        "nvfp4": _method("quantization", 280, single=0.9, fidelity=0.95),
+        "snapkv:keep=0.28": _method("eviction", 280, single=0.2, fidelity=0.5),
+        "kvpress:snapkv:cr=0.72": _method("peer", 290, single=0.5, fidelity=0.96),
+        "qcache:hqq:int2": _method("peer", 190, single=0.1, fidelity=0.3),  # no kvstrata row in its tier
+    }}}
+    md = head_to_head(summary)
+    assert "| ≈ 1/4 of bf16 | single | `nvfp4` 0.90 | `kvpress:snapkv:cr=0.72` 0.50 | **kvstrata** |" in md
+    assert "| ≈ 1/4 of bf16 | fidelity (top-1) | `nvfp4` 0.95 | `kvpress:snapkv:cr=0.72` 0.96 | **tie** |" in md
+    assert "≤ 1/5" not in md
+    assert tier(0.5) == "≈ 1/2 of bf16" and tier(0.9) is None
