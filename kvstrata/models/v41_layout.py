@@ -55,16 +55,17 @@ class LayerPlan:
     swa_bytes: int  # SWA KV held for one sequence (window entries), not per token
 
 
-def _v41_modes(layers: int = 40) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    full, reindex = {2, 8, 14, 20}, {24, 28, 32, 36}
-    modes, m = [], []
-    for i in range(layers):
-        if i < 2:
-            modes.append("swa"), m.append(0)
-        else:
-            modes.append("full" if i in full else "reindex" if i in reindex else "reuse")
-            m.append(2 if i < layers // 2 else 1)
-    return tuple(modes), tuple(m)
+def v41_modes(layers: int = 40) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """V4.1's layer pattern scaled to `layers`: two pure-SWA layers; encoder (below L/2) CSA2 at
+    m = 2 with a Full layer every 3L/20 from layer 2; decoder at m = 1 with its Full layer at L/2
+    and a Reindex layer every L/10 after it; every other layer Reuse. At 40 layers: Full 2, 8, 14,
+    20 and Reindex 24, 28, 32, 36, as published."""
+    half = layers // 2
+    enc_step, dec_step = max(2, 3 * layers // 20), max(2, layers // 10)
+    full = set(range(2, half, enc_step)) | {half}
+    reindex = set(range(half + dec_step, layers, dec_step))
+    modes = tuple("swa" if i < 2 else "full" if i in full else "reindex" if i in reindex else "reuse" for i in range(layers))
+    return modes, tuple(0 if i < 2 else 2 if i < half else 1 for i in range(layers))
 
 
 def _v4_modes() -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -76,11 +77,11 @@ def _v4_modes() -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def presets() -> dict[str, V41Layout]:
-    v41_modes, v41_m = _v41_modes()
+    full_modes, full_m = v41_modes()
     v4_modes, v4_m = _v4_modes()
-    tiny_modes, tiny_m = _v41_modes(8)
+    tiny_modes, tiny_m = v41_modes(8)
     return {
-        "v41-flash": V41Layout("v41-flash", 40, 5120, modes=v41_modes, m=v41_m),
+        "v41-flash": V41Layout("v41-flash", 40, 5120, modes=full_modes, m=full_m),
         "v4-flash": V41Layout(
             "v4-flash", len(v4_modes), 4096, index_heads=64, modes=v4_modes, m=v4_m,
             # V4: non-RoPE channels FP8 (one fp32 scale per entry: our fp8 codec), RoPE channels BF16;
