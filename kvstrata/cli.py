@@ -155,7 +155,7 @@ def _cmd_accounting(args) -> int:
     from kvstrata import accounting
 
     if bool(args.preset) == bool(args.model):
-        raise ValueError("give exactly one of --preset (v41-flash, v4-flash, tiny-v41) or --model")
+        raise ValueError("give exactly one of --preset (v41-flash, v4-flash, tiny-v41, small-v41) or --model")
     if args.preset:
         from dataclasses import asdict
 
@@ -235,6 +235,30 @@ def _cmd_topk_overlap(args) -> int:
     for name, r in run(list(_csv(args.model)), args.tokens, args.k, Path(args.out)).items():
         adj = r["adjacent"]
         print(f"{name}: mean top-{r['k']} overlap of adjacent full-attention layers {sum(adj) / max(len(adj), 1):.3f}")
+    return 0
+
+
+def _cmd_v41_prefill(args) -> int:
+    from kvstrata.bench.v41_prefill import run
+
+    r = run(args.preset, args.factor, args.repeats)
+    print(f"{r['preset']}: {r['prompt_tokens']} prompt tokens (= {args.factor} x n_win {r['n_win']}), {r['layers']} layers: "
+          f"half-depth prefill {r['ced_prefill_s']:.3f} s, full-depth {r['full_depth_prefill_s']:.3f} s, ratio {r['ratio']:.3f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(r, indent=1))
+    return 0
+
+
+def _cmd_train_ref(args) -> int:
+    from kvstrata.models.v41.train import TrainConfig, run
+
+    r = run(TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, pairs=args.pairs,
+                        seed=args.seed, eval_sequences=args.eval_sequences), Path(args.out))
+    for name, m in r["models"].items():
+        extra = f", from the FP4 cache after half-depth prefill {m['recall_cached_fp4']:.3f}" if "recall_cached_fp4" in m else ""
+        print(f"{name}: recall {m['recall']:.3f}{extra} (loss {m['final_loss']:.3f}, {m['seconds']:.0f} s, {m['parameters']:,} params)")
+    print(f"checkpoints and train_ref.json in {args.out}")
     return 0
 
 
@@ -324,6 +348,24 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("--k", type=int, default=256)
     to.add_argument("--out", default="docs/results/read")
     to.set_defaults(func=_cmd_topk_overlap)
+
+    vp = sub.add_parser("v41-prefill", help="V4.1 half-depth (CED) prefill time vs the same-size full-depth model")
+    vp.add_argument("--preset", default="small-v41")
+    vp.add_argument("--factor", type=int, default=16, help="prompt length in units of n_win")
+    vp.add_argument("--repeats", type=int, default=5)
+    vp.add_argument("--out", help="write the measurement as JSON here")
+    vp.set_defaults(func=_cmd_v41_prefill)
+
+    tr = sub.add_parser("train-ref", help="train the tiny V4.1 model and a same-size dense transformer on recall")
+    tr.add_argument("--preset", default="tiny-v41")
+    tr.add_argument("--steps", type=int, default=1500)
+    tr.add_argument("--batch", type=int, default=32)
+    tr.add_argument("--seq-len", type=int, default=128)
+    tr.add_argument("--pairs", type=int, default=8)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--eval-sequences", type=int, default=256)
+    tr.add_argument("--out", default="runs/train-ref")
+    tr.set_defaults(func=_cmd_train_ref)
 
     sub.add_parser("methods", help="list registered methods").set_defaults(func=_cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=_cmd_models)

@@ -1,0 +1,39 @@
+"""`kvstrata v41-prefill` and `kvstrata train-ref` end to end on the tiny preset (numbers are not
+asserted against targets here: those live in the benchmark)."""
+
+import json
+
+from safetensors import safe_open
+
+from kvstrata.cli import main
+from kvstrata.models.v41 import V41ForCausalLM
+from kvstrata.models.v41.train import TrainConfig, _text_ids, batch
+
+
+def test_v41_prefill_command(tmp_path):
+    out = tmp_path / "prefill.json"
+    assert main(["v41-prefill", "--preset", "tiny-v41", "--factor", "4", "--repeats", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["prompt_tokens"] == 4 * r["n_win"] and r["ced_prefill_s"] > 0 and r["full_depth_prefill_s"] > 0
+
+
+def test_recall_batches_ask_each_key_once():
+    import random
+
+    cfg = TrainConfig(seq_len=64, pairs=4)
+    ids, ask = batch(cfg, random.Random(1), _text_ids(), 3)
+    assert ids.shape == (3, 64) and ask.sum() == 3 * 4
+    for i in range(3):
+        pairs = dict(zip(ids[i, :8:2].tolist(), ids[i, 1:8:2].tolist()))
+        for q in ask[i].nonzero().flatten().tolist():
+            assert pairs[int(ids[i, q])] == int(ids[i, q + 1])  # the asked key's value follows it
+
+
+def test_train_ref_command_saves_both_models(tmp_path):
+    assert main(["train-ref", "--steps", "2", "--batch", "4", "--seq-len", "64", "--pairs", "4", "--eval-sequences", "8", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "train_ref.json").read_text())
+    assert set(r["models"]) == {"v41", "dense"}
+    assert 0 <= r["models"]["v41"]["recall"] <= 1 and "recall_cached_fp4" in r["models"]["v41"]
+    with safe_open(str(tmp_path / "v41" / "model.safetensors"), "pt") as f:
+        assert any(k.startswith("layers.") for k in f.keys())
+    assert V41ForCausalLM.from_pretrained(tmp_path / "v41").config.layer_modes[2] == "full"
