@@ -32,6 +32,8 @@ class FreqDepth:
     tol: float = 0.1
     norm: bool = False
     block: int = 64
+    #: "probe" (per head, cheapest within tol) or one mode forced on every head (for ablations)
+    mode: str = "probe"
     name: ClassVar[str] = "depth"
     summary: ClassVar[str] = "FreqDepthKV: DCT depth sharing over g adjacent layers + sparse residuals, per-head probe"
 
@@ -40,6 +42,8 @@ class FreqDepth:
     def encode(self, k: torch.Tensor, v: torch.Tensor, queries, codec: str, state: dict) -> "DepthBlock":
         """`k, v: [g, b, h, T, d]`, `queries: [g, b, h, nq, d]` or None. The first call probes and
         fixes each head's mode in `state`; later blocks reuse it."""
+        if "modes" not in state and self.mode != "probe":
+            state["modes"] = [self.mode] * k.shape[2]
         if "modes" not in state:
             state["modes"] = [probe_mode(k[:, :, h : h + 1], v[:, :, h : h + 1], queries[:, :, h], self, codec)
                               if queries is not None else "residual" for h in range(k.shape[2])]
@@ -50,6 +54,8 @@ class FreqDepth:
             raise ValueError(f"depth: need g >= 2 and 1 <= f < g, got g={self.g}, f={self.f}")
         if not 0.0 <= self.r <= 1.0 or self.tol < 0 or self.block < 1:
             raise ValueError(f"depth: need 0 <= r <= 1, tol >= 0, block >= 1 (got r={self.r}, tol={self.tol}, block={self.block})")
+        if self.mode not in ("probe", *MODES):
+            raise ValueError(f"depth: mode must be probe, {', '.join(MODES)} (got {self.mode!r})")
 
 
 @dataclass

@@ -111,3 +111,11 @@ def test_minicache_merged_pair_holds_one_direction():
     torch.testing.assert_close(k0, x[0], atol=0.02, rtol=0.01)  # one direction shared, magnitudes restored
     torch.testing.assert_close(v1, x[1], atol=0.05, rtol=0.01)
     assert block.nbytes() < 2 * 2 * (3 * 20 * 16 * 2)  # less than two bf16 layers of K and V
+
+
+def test_forced_mode_skips_the_probe_and_bad_modes_are_refused(deep_llama):
+    cache = CompressedCache(deep_llama.config, "depth:g=4,f=1,mode=shared,block=16")
+    forward(deep_llama, torch.randint(0, 256, (1, 40)), cache)
+    assert all(group.modes == ["shared", "shared"] for _, group in cache.depth_groups)
+    with pytest.raises(ValueError, match="mode must be"):
+        parse_method("depth:mode=sometimes")
