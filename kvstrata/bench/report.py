@@ -180,13 +180,15 @@ def write_report(out: Path) -> Path:
     summary = summarise(rows)
     runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
     meta = runs[-1]
+    from kvstrata.bench.v41_prefill import report_section
+
     peers = compare.section(summary, rows)
-    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary), peers]
+    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary), peers, report_section(out)]
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]
     (out / "report.md").write_text("\n".join(md))
     (out / "summary.md").write_text(compact(summary))
-    (out / "report.html").write_text(_html("\n".join(md[:2]), markdown(summary) + "\n" + peers, pngs))
+    (out / "report.html").write_text(_html("\n".join(md[:2]), "\n".join(md[2:5]), pngs))
     return out / "report.md"
 
 

@@ -41,3 +41,31 @@ def run(name: str = "small-v41", factor: int = 16, repeats: int = 5, seed: int =
             "sliding_window": cfg.sliding_window, "prompt_tokens": tokens, "repeats": repeats,
             "threads": torch.get_num_threads(), "ced_prefill_s": a, "full_depth_prefill_s": b, "ratio": a / b,
             "ced_runs_s": t_ced, "full_depth_runs_s": t_plain}
+
+
+def report_section(out) -> str:
+    """The report's V4.1 section from `out/v41/prefill.json` and `out/v41/train-ref/train_ref.json`
+    ('' when neither was run into this directory)."""
+    import json
+    from pathlib import Path
+
+    pre, tr = Path(out) / "v41" / "prefill.json", Path(out) / "v41" / "train-ref" / "train_ref.json"
+    lines = []
+    if pre.exists():
+        r = json.loads(pre.read_text())
+        lines += [f"Half-depth (CED) prefill of {r['prompt_tokens']} tokens (16 x n_win = {r['n_win']}) on `{r['preset']}` "
+                  f"({r['layers']} layers): {r['ced_prefill_s']:.3f} s against {r['full_depth_prefill_s']:.3f} s for the "
+                  f"same weights without CED, ratio **{r['ratio']:.3f}** (median of {r['repeats']}; "
+                  "`kvstrata v41-prefill --preset small-v41 --factor 16 --out DIR/v41/prefill.json`).\n"]
+    if tr.exists():
+        r = json.loads(tr.read_text())
+        c, v, d = r["config"], r["models"]["v41"], r["models"]["dense"]
+        lines += [f"Associative recall after training both `{c['preset']}`-sized models the same way ({c['steps']} steps, "
+                  f"batch {c['batch']}, {c['seq_len']} tokens, {c['pairs']} pairs over {c['vocab']} keys/values; chance "
+                  f"{1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --out DIR/v41/train-ref`):\n",
+                  "| model | parameters | recall (teacher-forced) | recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | train s |",
+                  "|---|---|---|---|---|---|",
+                  f"| V4.1 (CSA2 + CED) | {v['parameters']:,} | {v['recall']:.3f} | {v.get('recall_cached_fp4', 0):.3f} | "
+                  f"{v['final_loss']:.3f} | {v['seconds']:.0f} |",
+                  f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | {d['final_loss']:.3f} | {d['seconds']:.0f} |", ""]
+    return "\n".join(["## V4.1 reference model\n", *lines]) if lines else ""

@@ -61,7 +61,8 @@ def pressed_prefill(model, ids: torch.Tensor, peer: PeerSpec):
     return cache, time.perf_counter() - t0
 
 
-def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str) -> list[dict]:
+def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str):
+    """Yield one row per press of the cell as soon as it is done."""
     inst = make_instance(cell["task"], tok, cell["length"], cell["index"], seed, haystack)
     ids = tok(inst.context, return_tensors="pt").input_ids
     n = ids.shape[1]
@@ -73,7 +74,6 @@ def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str) 
         dense = DynamicCache(config=model.config)
         forward(model, ids, dense)
         ref = forward(model, cont, dense, logits_to_keep=cont.shape[1])[0]
-    rows = []
     for method in cell["methods"]:
         peer = parse_peer(method)
         row = dict(cell_base(model, model_name, cell["length"], inst, n, None), method=method, family="peer",
@@ -99,10 +99,9 @@ def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str) 
                     answers.append({**res, "kv_bytes": held["bytes"], "compress_s": None,
                                     "bytes_read_per_step": dense_read, "dense_bytes_read_per_step": dense_read})
                 answered(row, inst, answers)
-            rows.append(costed(row, n))
+            yield costed(row, n)
         except Exception as exc:  # the peer's own failure on this model is a result, reported
-            rows.append(failed(row, exc))
-    return rows
+            yield failed(row, exc)
 
 
 def main(argv: list[str] | None = None) -> int:

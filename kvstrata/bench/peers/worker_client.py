@@ -43,16 +43,24 @@ def _stream(py: Path, request: Path, path: Path, bar) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     cmd = [str(py), "-m", "kvstrata.bench.peers.kvpress_worker", str(request)]
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc, path.open("a") as f:
-        for line in proc.stdout:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                tqdm.write(f"kvpress worker printed a non-row line: {line.strip()[:200]}")
-                continue
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            bar.set_postfix_str(f"{row['model']} {row['length']} {row['task']}#{row['index']} {row['method']}")
-            bar.update(1)
+        try:
+            _copy_rows(proc, f, bar)
+        except BaseException:  # interrupted: stop the worker too; finished rows are kept
+            proc.kill()
+            raise
     if proc.returncode != 0:
         raise RuntimeError(f"the kvpress worker exited with code {proc.returncode} (its messages are above); "
                            "finished rows are kept and a rerun resumes")
+
+
+def _copy_rows(proc, f, bar) -> None:
+    for line in proc.stdout:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            tqdm.write(f"kvpress worker printed a non-row line: {line.strip()[:200]}")
+            continue
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        bar.set_postfix_str(f"{row['model']} {row['length']} {row['task']}#{row['index']} {row['method']}")
+        bar.update(1)

@@ -16,7 +16,9 @@ class V41Config(PretrainedConfig):
     (blocks of `hier_block` entries, top `hier_blocks` blocks) at decoder Full layers; per-layer SWA
     of `sliding_window`. With `ced`, decoder layers that own global KV project it from the input of
     layer L/2, so a prefill runs the encoder half plus those projections and replays only the
-    last `n_win` prompt tokens through the decoder."""
+    last `n_win` prompt tokens through the decoder. Training attends every visible global entry
+    (V3.2's dense warm-up: the indexer learns from the main attention by KL) unless
+    `train_sparse`; evaluation and inference read the top-k selection."""
 
     model_type = "kvstrata_v41"
 
@@ -26,7 +28,7 @@ class V41Config(PretrainedConfig):
                  hier_blocks: int = 4, layer_modes: list[str] | None = None, compress: list[int] | None = None,
                  ced: bool = True, n_win: int | None = None, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
                  global_codec: str = "nvfp4:tensor_scale=0", swa_codec: str = "fp8", index_codec: str = "mxfp4",
-                 quantize_cache: bool = True, tie_word_embeddings: bool = True, **kwargs):
+                 quantize_cache: bool = True, train_sparse: bool = False, tie_word_embeddings: bool = True, **kwargs):
         if layer_modes is None:
             layer_modes, compress = (list(x) for x in v41_modes(8))
         compress = list(compress) if compress is not None else [0 if m == "swa" else 1 for m in layer_modes]
@@ -45,6 +47,7 @@ class V41Config(PretrainedConfig):
         self.rms_norm_eps, self.rope_theta = rms_norm_eps, rope_theta
         self.global_codec, self.swa_codec, self.index_codec = global_codec, swa_codec, index_codec
         self.quantize_cache = quantize_cache
+        self.train_sparse = train_sparse
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property

@@ -110,3 +110,19 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, swa: torch.Tensor, swa_pos0: in
     p = logits.softmax(-1)
     v = torch.cat(vals, dim=2).float()  # [B, T, W + k, D]
     return torch.einsum("bhtn,btnd->bhtd", p, v).to(q.dtype)
+
+
+def index_loss(q: torch.Tensor, latents: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """KL from the main attention over every visible global entry (heads summed, no gradient) to
+    the indexer's softmax over the same entries: how a top-k indexer learns what to select.
+    `q: [B, H, T, D]`, `latents: [B, S, D]`, causal `scores: [B, T, S]`."""
+    ok = scores != NEG
+    rows = ok.any(-1)
+    if not rows.any():
+        return scores.new_zeros(())
+    with torch.no_grad():
+        main = torch.einsum("bhtd,bsd->bhts", q.float(), latents.float()) * q.shape[-1] ** -0.5
+        target = main.masked_fill(~ok[:, None], NEG).softmax(-1).nan_to_num(0.0).mean(1)  # [B, T, S]
+    logp = scores.masked_fill(~ok, -1e9).log_softmax(-1)
+    kl = (target * (target.clamp(min=1e-12).log() - logp)).masked_fill(~ok, 0.0).sum(-1)
+    return kl[rows].mean()

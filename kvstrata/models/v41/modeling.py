@@ -82,8 +82,14 @@ class V41Attention(nn.Module):
         b, t, _ = x.shape
         iq = self.iq_proj(x).view(b, t, cfg.index_heads, cfg.index_dim)
         scores = csa2.causal_scores(self.scorer(iq, own["ik"], x), csa2.visible(pos, m))
+        if self.training:
+            ctx["index_scores"] = scores  # trained to follow the main attention (index_loss)
         cand = None
-        if self.mode == "reindex" and src.get("cand") is not None:
+        if self.training and not cfg.train_sparse:  # dense warm-up: attend every visible entry
+            vis = csa2.visible(pos, m)
+            idx = torch.arange(scores.shape[-1]).expand(b, t, -1).masked_fill(
+                torch.arange(scores.shape[-1]) >= vis[None, :, None], -1)
+        elif self.mode == "reindex" and src.get("cand") is not None:
             idx = csa2.rescore(scores, src["cand"], cfg.index_topk)
         elif cfg.hierarchical(self.layer):
             idx, cand = csa2.hierarchical(scores, csa2.visible(pos, m), cfg.index_topk, cfg.hier_block, cfg.hier_blocks)
@@ -107,6 +113,8 @@ class V41Attention(nn.Module):
             swa, pos0 = s, int(pos[0])
         q = csa2.rope(self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.latent_dim).transpose(1, 2),
                       pos, cfg.rope_dim, cfg.rope_theta)
+        if "index_scores" in ctx:
+            ctxs.setdefault("index_losses", []).append(csa2.index_loss(q, ctx["lat"], ctx.pop("index_scores")))
         out = csa2.attend(q, pos, swa, pos0, cfg.sliding_window, ctx.get("lat"), ctx.get("idx"))
         if store is not None:
             store.trim_swa()
@@ -182,4 +190,6 @@ class V41ForCausalLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size).float(), labels[:, 1:].reshape(-1),
                                                ignore_index=-100)
+            if ctxs.get("index_losses"):  # the indexer's own objective, as V3.2 / V4 train it
+                loss = loss + sum(ctxs["index_losses"]) / len(ctxs["index_losses"])
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
