@@ -19,8 +19,9 @@ def tier(share: float) -> str | None:
     return None
 
 
-def head_to_head(summary: dict) -> str:
-    """Per model/length, bytes tier and task: the best kvstrata method against the best peer."""
+def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
+    """Per model/length, bytes tier and task: the best kvstrata method against the best peer.
+    With `rows`, both sides are scored on the same instances: those every peer in the tier ran."""
     lines = []
     for (model, length), s in summary.items():
         methods = s["methods"]
@@ -38,7 +39,13 @@ def head_to_head(summary: dict) -> str:
             if not ours or not theirs:
                 continue
             for t in tasks:
-                a, b = _best(ours, t), _best(theirs, t)
+                if rows is not None:
+                    same = _common(rows, model, length, t, theirs)
+                    ours_t = {m: _on(rows, model, length, t, m, same) for m in ours}
+                    theirs_t = {m: _on(rows, model, length, t, m, same) for m in theirs}
+                    a, b = _best(ours_t, t), _best(theirs_t, t)
+                else:
+                    a, b = _best(ours, t), _best(theirs, t)
                 if a is None or b is None:
                     continue
                 verdict = "tie" if abs(a[1] - b[1]) <= TIE else "kvstrata" if a[1] > b[1] else "peer"
@@ -49,6 +56,20 @@ def head_to_head(summary: dict) -> str:
                   if body else ["No bytes tier holds both a kvstrata method and a peer here."])
         lines.append("")
     return "\n".join(lines)
+
+
+def _common(rows, model, length, task, methods) -> set[int]:
+    """Instance indices every one of `methods` ran (and scored) for this task."""
+    sets = [{r["index"] for r in rows if r["model"] == model and r["length"] == length and r["task"] == task
+             and r["method"] == m and r.get("score") is not None} for m in methods]
+    return set.intersection(*sets) if sets else set()
+
+
+def _on(rows, model, length, task, method, indices) -> dict:
+    """A method's mean score on `task` over `indices` (None when it ran none of them)."""
+    got = [r["score"] for r in rows if r["model"] == model and r["length"] == length and r["task"] == task
+           and r["method"] == method and r["index"] in indices and r.get("score") is not None]
+    return {"per_task": {task: sum(got) / len(got) if len(got) == len(indices) and got else None}}
 
 
 def _best(methods: dict, task: str) -> tuple[str, float] | None:
@@ -92,8 +113,8 @@ def section(summary: dict, rows: list[dict]) -> str:
            "seeds, tokenizer and context ids), with bytes counted from the tensors their caches hold (float tensors "
            f"at 16 bits, as our `bf16` reference stores them). Versions: {'; '.join(versions)}.\n",
            masked(peer_rows),
-           "Who is ahead per task at matched bytes (best method of each side inside a bytes tier; ties within "
-           f"{TIE:.2f}):\n", head_to_head(summary)]
+           "Who is ahead per task at matched bytes (best method of each side inside a bytes tier, both scored on "
+           f"the instances every peer of the tier ran; ties within {TIE:.2f}):\n", head_to_head(summary, rows)]
     fails = failures(peer_rows)
     if fails:
         out += ["### How peers failed\n", fails]
