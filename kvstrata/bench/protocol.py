@@ -77,17 +77,19 @@ def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) ->
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
     with reading(model, cache, spec) as sparse:
-        res = greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"])
-    dense_read = res.pop("dense_read") or kv_bytes
-    return {
-        **res,
-        "kv_bytes": kv_bytes,
-        "compress_s": compress_s,
+        res = with_costs(greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"]), kv_bytes, compress_s)
+    if sparse and sparse.steps:
         # sparse reads count index rows scanned + entries gathered (full-attention layers), plus
         # what the layers that stay dense (sliding windows) hold
-        "bytes_read_per_step": _sparse_bytes(sparse, cache, dense_read) if sparse and sparse.steps else dense_read,
-        "dense_bytes_read_per_step": dense_read,
-    }
+        res["bytes_read_per_step"] = _sparse_bytes(sparse, cache, res["dense_bytes_read_per_step"])
+    return res
+
+
+def with_costs(res: dict, kv_bytes: float, compress_s: float | None, **extra) -> dict:
+    """A `greedy` result with the cache's costs; a dense decode step reads everything held."""
+    dense_read = res.pop("dense_read") or kv_bytes
+    return {**res, "kv_bytes": kv_bytes, "compress_s": compress_s, "bytes_read_per_step": dense_read,
+            "dense_bytes_read_per_step": dense_read, **extra}
 
 
 def greedy(model, tokenizer, cache, question: Question, held: Callable[[], float], position: int | None = None) -> dict:
@@ -142,11 +144,17 @@ def fidelity(model, pre: Prefill, spec: MethodSpec, cont_ids: torch.Tensor, ref:
     """KL(ref || method), top-1 agreement and perplexity on a teacher-forced continuation."""
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
+    return continuation(model, cache, cont_ids, ref, kv_bytes, compress_s)
+
+
+def continuation(model, cache, cont_ids: torch.Tensor, ref: torch.Tensor, kv_bytes: float, compress_s: float | None,
+                 position_ids: torch.Tensor | None = None, **extra) -> dict:
+    """Teacher-force the continuation over `cache` and score it against the reference logits."""
     t0 = time.perf_counter()
-    got = forward(model, cont_ids, cache, logits_to_keep=cont_ids.shape[1])[0]
+    got = forward(model, cont_ids, cache, logits_to_keep=cont_ids.shape[1], position_ids=position_ids)[0]
     seconds = time.perf_counter() - t0
     return {**fidelity_scores(ref, got, cont_ids), "kv_bytes": kv_bytes, "compress_s": compress_s,
-            "question_s": seconds, "decode_s_per_token": None, "bytes_read_per_step": kv_bytes}
+            "question_s": seconds, "decode_s_per_token": None, "bytes_read_per_step": kv_bytes, **extra}
 
 
 def fidelity_scores(ref: torch.Tensor, got: torch.Tensor, cont_ids: torch.Tensor) -> dict:

@@ -85,19 +85,14 @@ def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str):
                        kv_entries_held=held["entries"], kv_entries_masked=masked_entries(model))
             if cont is not None:
                 pos = torch.arange(n, n + cont.shape[1])[None]
-                t0 = time.perf_counter()
-                got = forward(model, cont, copy.deepcopy(cache), logits_to_keep=cont.shape[1], position_ids=pos)[0]
-                res = protocol.fidelity_scores(ref, got, cont)
-                row.update(res, score=res["top1"], failure=None, kv_bytes=held["bytes"], question_s=time.perf_counter() - t0,
-                           decode_s_per_token=None, bytes_read_per_step=held["bytes"])
+                res = protocol.continuation(model, copy.deepcopy(cache), cont, ref, held["bytes"], None, position_ids=pos)
+                row.update(res, score=res["top1"], failure=None)
             else:
                 answers = []
                 for q in inst.questions:
                     c = copy.deepcopy(cache)  # each question starts from the pressed context
                     res = protocol.greedy(model, tok, c, q, lambda c=c: held_bytes(c)["bytes"], position=n)
-                    dense_read = res.pop("dense_read") or held["bytes"]
-                    answers.append({**res, "kv_bytes": held["bytes"], "compress_s": None,
-                                    "bytes_read_per_step": dense_read, "dense_bytes_read_per_step": dense_read})
+                    answers.append(protocol.with_costs(res, held["bytes"], None))
                 answered(row, inst, answers)
             yield costed(row, n)
         except Exception as exc:  # the peer's own failure on this model is a result, reported

@@ -14,7 +14,6 @@ import torch
 from kvstrata.bench import protocol
 from kvstrata.bench.peers import PeerSpec
 from kvstrata.bench.peers.held import held_bytes
-from kvstrata.hf.run import forward
 
 
 def describe(peer: PeerSpec) -> str:
@@ -38,23 +37,19 @@ def build(model, pre: protocol.Prefill, peer: PeerSpec):
 
 
 def ask(model, tokenizer, pre: protocol.Prefill, peer: PeerSpec, question) -> dict:
-    t0 = time.perf_counter()
-    cache = build(model, pre, peer)
-    compress_s = time.perf_counter() - t0
-    held = held_bytes(cache)
+    cache, compress_s, held = _timed_build(model, pre, peer)
     res = protocol.greedy(model, tokenizer, cache, question, lambda: held_bytes(cache)["bytes"])
-    dense_read = res.pop("dense_read") or held["bytes"]
-    return {**res, "kv_bytes": held["bytes"], "kv_bytes_in_memory": held["in_memory"], "compress_s": compress_s,
-            "bytes_read_per_step": dense_read, "dense_bytes_read_per_step": dense_read}
+    return protocol.with_costs(res, held["bytes"], compress_s, kv_bytes_in_memory=held["in_memory"])
 
 
 def fidelity(model, pre: protocol.Prefill, peer: PeerSpec, cont_ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    cache, compress_s, held = _timed_build(model, pre, peer)
+    return protocol.continuation(model, cache, cont_ids, ref, held["bytes"], compress_s,
+                                 kv_bytes_in_memory=held["in_memory"])
+
+
+def _timed_build(model, pre: protocol.Prefill, peer: PeerSpec):
+    """(cache, seconds to build it, what it holds)."""
     t0 = time.perf_counter()
     cache = build(model, pre, peer)
-    compress_s = time.perf_counter() - t0
-    held = held_bytes(cache)
-    t0 = time.perf_counter()
-    got = forward(model, cont_ids, cache, logits_to_keep=cont_ids.shape[1])[0]
-    return {**protocol.fidelity_scores(ref, got, cont_ids), "kv_bytes": held["bytes"],
-            "kv_bytes_in_memory": held["in_memory"], "compress_s": compress_s,
-            "question_s": time.perf_counter() - t0, "decode_s_per_token": None, "bytes_read_per_step": held["bytes"]}
+    return cache, time.perf_counter() - t0, held_bytes(cache)
