@@ -23,6 +23,7 @@ def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
     """Per model/length, bytes tier and task: the best kvstrata method against the best peer.
     With `rows`, both sides are scored on the same instances: those every peer in the tier ran."""
     lines = []
+    scores = _scores(rows) if rows is not None else None
     for (model, length), s in summary.items():
         methods = s["methods"]
         if not any(r["family"] == "peer" for r in methods.values()):
@@ -39,10 +40,11 @@ def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
             if not ours or not theirs:
                 continue
             for t in tasks:
-                if rows is not None:
-                    same = _common(rows, model, length, t, theirs)
-                    ours_t = {m: _on(rows, model, length, t, m, same) for m in ours}
-                    theirs_t = {m: _on(rows, model, length, t, m, same) for m in theirs}
+                if scores is not None:
+                    cell = (model, length, t)
+                    same = _common(scores, cell, theirs)
+                    ours_t = {m: _on(scores, cell, m, same) for m in ours}
+                    theirs_t = {m: _on(scores, cell, m, same) for m in theirs}
                     a, b = _best(ours_t, t), _best(theirs_t, t)
                 else:
                     a, b = _best(ours, t), _best(theirs, t)
@@ -58,18 +60,26 @@ def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _common(rows, model, length, task, methods) -> set[int]:
-    """Instance indices every one of `methods` ran (and scored) for this task."""
-    sets = [{r["index"] for r in rows if r["model"] == model and r["length"] == length and r["task"] == task
-             and r["method"] == m and r.get("score") is not None} for m in methods]
+def _scores(rows: list[dict]) -> dict[tuple, dict[int, float]]:
+    """{(model, length, task, method): {instance index: score}} over the scored rows, built once."""
+    out: dict[tuple, dict[int, float]] = defaultdict(dict)
+    for r in rows:
+        if r.get("score") is not None:
+            out[(r["model"], r["length"], r["task"], r["method"])][r["index"]] = r["score"]
+    return out
+
+
+def _common(scores, cell: tuple, methods) -> set[int]:
+    """Instance indices every one of `methods` ran (and scored) for this (model, length, task)."""
+    sets = [set(scores.get((*cell, m), {})) for m in methods]
     return set.intersection(*sets) if sets else set()
 
 
-def _on(rows, model, length, task, method, indices) -> dict:
-    """A method's mean score on `task` over `indices` (None when it ran none of them)."""
-    got = [r["score"] for r in rows if r["model"] == model and r["length"] == length and r["task"] == task
-           and r["method"] == method and r["index"] in indices and r.get("score") is not None]
-    return {"per_task": {task: sum(got) / len(got) if len(got) == len(indices) and got else None}}
+def _on(scores, cell: tuple, method: str, indices: set[int]) -> dict:
+    """A method's mean score on the cell's task over `indices` (None unless it ran all of them)."""
+    got = scores.get((*cell, method), {})
+    ok = bool(indices) and indices <= set(got)
+    return {"per_task": {cell[2]: sum(got[i] for i in indices) / len(indices) if ok else None}}
 
 
 def _best(methods: dict, task: str) -> tuple[str, float] | None:
