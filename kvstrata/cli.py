@@ -213,6 +213,20 @@ def _cmd_depth_similarity(args) -> int:
     return 0
 
 
+def _cmd_depth_ablation(args) -> int:
+    from kvstrata.bench import depth_ablation
+    from kvstrata.bench.report import write_report
+    from kvstrata.bench.runner import run
+
+    methods = _split_methods(args.methods) if args.methods else depth_ablation.GRID
+    cfg = depth_ablation.config(args.model, args.length, args.n, Path(args.out), tuple(methods))
+    run(cfg)
+    print(depth_ablation.report_section(args.out))
+    if (Path(args.out) / "results.jsonl").exists():
+        print(f"report: {write_report(Path(args.out))}")
+    return 0
+
+
 def _cmd_chat(args) -> int:
     from kvstrata.models import load
     from kvstrata.place import KVStore, StoreConfig
@@ -331,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--group", type=int, default=4)
     ds.add_argument("--out", default="docs/results/depth")
     ds.set_defaults(func=_cmd_depth_similarity)
+
+    da = sub.add_parser("depth-ablation", help="FreqDepthKV's G / F / r / tolerance / normalisation swept in the bench")
+    da.add_argument("--model", default="smollm2-135m")
+    da.add_argument("--length", type=int, default=2048)
+    da.add_argument("--n", type=int, default=3, help="instances per task")
+    da.add_argument("--methods", help="comma-separated specs (default: the built-in grid, bf16 first)")
+    da.add_argument("--out", default="docs/results", help="bench directory; rows go to OUT/depth-ablation")
+    da.set_defaults(func=_cmd_depth_ablation)
 
     ch = sub.add_parser("chat", help="multi-turn session over the persistent store: hit / replay / miss per turn")
     ch.add_argument("--model", default="gemma3-270m")

@@ -72,12 +72,19 @@ def build_cache(model, pre: Prefill, spec: MethodSpec) -> tuple[CompressedCache,
     return cache, time.perf_counter() - t0
 
 
+def _modes(cache: CompressedCache) -> dict:
+    """Depth sharing's per-head decisions, as counts (empty for other methods)."""
+    modes = cache.head_modes()
+    return {"head_modes": modes} if modes else {}
+
+
 def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) -> dict:
     """Answer `question` from `spec`'s cache of the prefilled context; output text and costs."""
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
     with reading(model, cache, spec) as sparse:
-        res = with_costs(greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"]), kv_bytes, compress_s)
+        res = with_costs(greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"]), kv_bytes, compress_s,
+                         **_modes(cache))
     if sparse and sparse.steps:
         # sparse reads count index rows scanned + entries gathered (full-attention layers), plus
         # what the layers that stay dense (sliding windows) hold
@@ -144,7 +151,7 @@ def fidelity(model, pre: Prefill, spec: MethodSpec, cont_ids: torch.Tensor, ref:
     """KL(ref || method), top-1 agreement and perplexity on a teacher-forced continuation."""
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
-    return continuation(model, cache, cont_ids, ref, kv_bytes, compress_s)
+    return continuation(model, cache, cont_ids, ref, kv_bytes, compress_s, **_modes(cache))
 
 
 def continuation(model, cache, cont_ids: torch.Tensor, ref: torch.Tensor, kv_bytes: float, compress_s: float | None,

@@ -180,15 +180,17 @@ def write_report(out: Path) -> Path:
     summary = summarise(rows)
     runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
     meta = runs[-1]
-    from kvstrata.bench.v41_prefill import report_section
+    from kvstrata.bench import depth_ablation, v41_prefill
 
     peers = compare.section(summary, rows)
-    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary), peers, report_section(out)]
+    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary), peers,
+          depth_ablation.report_section(out), v41_prefill.report_section(out)]
+    sections = "\n".join(md[2:])
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]
     (out / "report.md").write_text("\n".join(md))
     (out / "summary.md").write_text(compact(summary))
-    (out / "report.html").write_text(_html("\n".join(md[:2]), "\n".join(md[2:5]), pngs))
+    (out / "report.html").write_text(_html("\n".join(md[:2]), sections, pngs))
     return out / "report.md"
 
 

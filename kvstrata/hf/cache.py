@@ -234,7 +234,9 @@ class CompressedCache(Cache):
         super().__init__(layers=layers)
 
     def _group_depth(self, layers: list, classes) -> None:
-        """Replace runs of `g` adjacent full-attention layers with one depth-shared group each."""
+        """Replace each run of `g` full-attention layers that are neighbours in depth among the
+        full-attention layers (sliding layers in between are skipped: Gemma-3's global layers are
+        every 6th) with one depth-shared group; leftover layers stay per-layer."""
         from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 
         recipe = self.method.full
@@ -243,8 +245,9 @@ class CompressedCache(Cache):
         self.depth_groups = []
         run: list[int] = []
         for i, (cls, _) in enumerate(classes):
-            full = cls == "full" and i >= first
-            run = run + [i] if full and (not run or run[-1] == i - 1) else ([i] if full else [])
+            if cls != "full" or i < first:
+                continue
+            run.append(i)
             if len(run) == g:
                 members = [DepthLayer(recipe, j) for j in range(g)]
                 group = DepthGroup(recipe, members)
@@ -253,6 +256,15 @@ class CompressedCache(Cache):
                     layers[idx] = member
                 self.depth_groups.append((run, group))
                 run = []
+
+    def head_modes(self) -> dict[str, int]:
+        """How many (group, KV head) pairs each depth mode holds: the probe's decisions, {} without
+        depth sharing or before a group is encoded."""
+        counts: dict[str, int] = {}
+        for _, group in getattr(self, "depth_groups", []):
+            for mode in group.modes or []:
+                counts[mode] = counts.get(mode, 0) + 1
+        return counts
 
     def nbytes(self) -> dict:
         """`{"layers": [bytes per layer], "total": bytes}`, measured from held tensors."""

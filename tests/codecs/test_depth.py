@@ -119,3 +119,25 @@ def test_forced_mode_skips_the_probe_and_bad_modes_are_refused(deep_llama):
     assert all(group.modes == ["shared", "shared"] for _, group in cache.depth_groups)
     with pytest.raises(ValueError, match="mode must be"):
         parse_method("depth:mode=sometimes")
+
+
+def test_gemma_global_layers_group_across_the_sliding_layers_between_them():
+    from transformers import Gemma3TextConfig
+
+    from kvstrata.models.tiny import tiny_config
+
+    base = tiny_config("gemma3").to_dict()
+    base.update(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                  "sliding_attention", "full_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Gemma3TextConfig(**base), dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    cache = CompressedCache(model.config, "depth:g=2,f=1,mode=shared,block=8")
+    assert [run for run, _ in cache.depth_groups] == [[1, 4]]  # layer 5 is left over, sliding layers untouched
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(6))
+    ref = CompressedCache(model.config, "bf16")
+    a = torch.cat([forward(model, ids[:, :40], ref)] + [forward(model, ids[:, i : i + 1], ref) for i in range(40, 50)], 1)
+    b = torch.cat([forward(model, ids[:, :40], cache)] + [forward(model, ids[:, i : i + 1], cache) for i in range(40, 50)], 1)
+    assert torch.isfinite(b).all() and a.shape == b.shape
+    assert cache.head_modes() == {"shared": model.config.num_key_value_heads}
+    assert cache.nbytes()["total"] < ref.nbytes()["total"]

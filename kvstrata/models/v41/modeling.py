@@ -48,9 +48,10 @@ class V41Attention(nn.Module):
         """Project, compress (m positions per entry), RoPE at entry positions j*m, store; leaves
         every entry so far (as stored) in `ctx`."""
         x = self.global_norm(h_src)
-        proj = {"kv": self.kv_proj(x), "ik": self.ik_proj(x)}
+        xi = x.detach()  # the indexer learns from its own KL objective only (V3.2: detached input)
+        proj = {"kv": self.kv_proj(x), "ik": self.ik_proj(xi)}
         if self.m > 1:
-            proj |= {"kv_gate": self.kv_gate(x), "ik_gate": self.ik_gate(x)}
+            proj |= {"kv_gate": self.kv_gate(x), "ik_gate": self.ik_gate(xi)}
         if store is not None and store.pending:
             proj = {k: torch.cat([store.pending[k], v], dim=1) for k, v in proj.items()}
         full = proj["kv"].shape[1] // self.m * self.m
@@ -80,8 +81,9 @@ class V41Attention(nn.Module):
         own = ctx if self.mode == "full" else src
         m = self.m if self.mode == "full" else src["m"]
         b, t, _ = x.shape
-        iq = self.iq_proj(x).view(b, t, cfg.index_heads, cfg.index_dim)
-        scores = csa2.causal_scores(self.scorer(iq, own["ik"], x), csa2.visible(pos, m))
+        xi = x.detach()
+        iq = self.iq_proj(xi).view(b, t, cfg.index_heads, cfg.index_dim)
+        scores = csa2.causal_scores(self.scorer(iq, own["ik"], xi), csa2.visible(pos, m))
         if self.training:
             ctx["index_scores"] = scores  # trained to follow the main attention (index_loss)
         cand = None

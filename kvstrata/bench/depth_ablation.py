@@ -1,0 +1,102 @@
+"""`kvstrata depth-ablation`: FreqDepthKV's knobs (G, F, r, tolerance, normalisation, forced mode)
+swept on one real model through the benchmark's own cells (single-needle retrieval + fidelity),
+so the report can say why depth sharing does or does not reach its targets, and what the best
+frontier is.
+
+Rows land in `OUT/depth-ablation/results.jsonl` (the bench format, resumable); the main report
+renders them as its own section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstrata.bench.runner import BenchConfig
+
+#: bf16 first (the reference), then forced modes (what sharing alone costs), then the probe's
+#: tolerance, then the best candidates on top of FP4.
+GRID = (
+    "bf16",
+    "depth:g=2,f=1,mode=shared",
+    "depth:g=2,f=1,mode=shared,norm=1",
+    "depth:g=4,f=2,mode=shared",
+    "depth:g=4,f=1,mode=shared",
+    "depth:g=4,f=1,mode=shared,norm=1",
+    "depth:g=4,f=1,r=0.05,mode=residual",
+    "depth:g=4,f=1,r=0.25,mode=residual",
+    "depth:g=4,f=1,r=0.05,tol=0.3",
+    "depth:g=4,f=1,r=0.05,tol=1",
+    "depth:g=2,f=1,r=0.05,tol=0.3",
+    "depth:g=2,f=1,r=0.05,tol=0.3+nvfp4",
+    "nvfp4",
+)
+TASKS = ("single", "fidelity")
+SUBDIR = "depth-ablation"
+
+
+def config(model: str, length: int, n: int, out: Path, methods: tuple[str, ...] = GRID) -> BenchConfig:
+    """The bench config of one ablation run (its own results directory under `out`)."""
+    return BenchConfig(models=(model,), lengths=(length,), tasks=TASKS, methods=methods, n=n, out=Path(out) / SUBDIR)
+
+
+def _knobs(method: str) -> dict:
+    from kvstrata.methods import parse_method
+
+    full = parse_method(method).full
+    cfg = full.depth_config()
+    if cfg is None:
+        return {"codec": full.codec}
+    return {"g": cfg.g, "f": cfg.f, "r": cfg.r if cfg.mode in ("probe", "residual") else None,
+            "tol": cfg.tol if cfg.mode == "probe" else None, "norm": cfg.norm, "mode": cfg.mode, "codec": full.codec}
+
+
+def _modes(rows: list[dict]) -> str:
+    """The probe's head decisions (shared / residual / exact counts of the first instance)."""
+    first = next((r["head_modes"] for r in rows if r.get("head_modes")), None)
+    if not first:
+        return "–"
+    return " / ".join(str(first.get(m, 0)) for m in ("shared", "residual", "exact"))
+
+
+def frontier(methods: dict, ref: dict, slack: float) -> tuple[str, dict] | None:
+    """The most compressed method whose single-needle retrieval is within `slack` of bf16's."""
+    ok = [(m, s) for m, s in methods.items() if m != "bf16" and s["per_task"].get("single") is not None
+          and s["per_task"]["single"] >= ref["per_task"]["single"] - slack]
+    return max(ok, key=lambda ms: ms[1]["compression"]) if ok else None
+
+
+def report_section(out) -> str:
+    """The report's ablation section from `out/depth-ablation/results.jsonl` ('' if not run)."""
+    from kvstrata.bench.report import _f, load_rows, summarise
+
+    path = Path(out) / SUBDIR
+    if not (path / "results.jsonl").exists():
+        return ""
+    rows = load_rows(path)
+    lines = ["## FreqDepthKV ablation\n",
+             "Each knob of depth sharing on its own, on the benchmark's single-needle and fidelity cells "
+             "(`kvstrata depth-ablation --model MODEL --length L --n N --out DIR`). Modes: `shared` keeps only the F "
+             "lowest depth-DCT coefficients of each group of G layers, `residual` adds the top-r tokens' "
+             "high-frequency residual, `probe` picks per KV head the cheapest mode within the tolerance "
+             "(head decisions: shared / residual / exact).\n"]
+    for (model, length), s in summarise(rows).items():
+        ref = s["methods"].get("bf16")
+        lines += [f"### {model}, {length} tokens ({s['n']} instances)\n",
+                  "| method | G | F | r | tol | norm | mode | codec | B/token | × smaller | single | KL | top-1 | Δppl | heads s / r / e |",
+                  "|" + "---|" * 15]
+        for m, r in sorted(s["methods"].items(), key=lambda kv: kv[1]["compression"]):
+            k = _knobs(m)
+            cells = [f"`{m}`", *(str(k.get(x, "–")) if k.get(x) is not None else "–" for x in ("g", "f", "r", "tol")),
+                     "yes" if k.get("norm") else "–", k.get("mode", "–"), k["codec"],
+                     _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]), _f(r["per_task"].get("single")),
+                     _f(r["kl"], "{:.4f}"), _f(r["top1"]), _f(r["ppl_change"], "{:+.2%}"),
+                     _modes([x for x in rows if x["method"] == m and x["model"] == model and x["length"] == length])]
+            lines.append("| " + " | ".join(cells) + " |")
+        if ref:
+            lines.append("")
+            for slack in (0.01, 0.02):
+                found = frontier(s["methods"], ref, slack)
+                lines.append(f"Most compressed with single-needle retrieval within {slack * 100:.0f} point(s) of bf16: " +
+                             (f"`{found[0]}` at {found[1]['compression']:.2f}× (top-1 {_f(found[1]['top1'])})."
+                              if found else "none.") + "\n")
+    return "\n".join(lines)
