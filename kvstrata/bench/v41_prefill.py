@@ -43,6 +43,10 @@ def run(name: str = "small-v41", factor: int = 16, repeats: int = 5, seed: int =
             "ced_runs_s": t_ced, "full_depth_runs_s": t_plain}
 
 
+def _f3(v) -> str:
+    return "–" if v is None else f"{v:.3f}"
+
+
 def report_section(out) -> str:
     """The report's V4.1 section from `out/v41/prefill.json` and `out/v41/train-ref/train_ref.json`
     ('' when neither was run into this directory)."""
@@ -62,10 +66,11 @@ def report_section(out) -> str:
         c, v, d = r["config"], r["models"]["v41"], r["models"]["dense"]
         lines += [f"Associative recall after training both `{c['preset']}`-sized models the same way ({c['steps']} steps, "
                   f"batch {c['batch']}, {c['seq_len']} tokens, {c['pairs']} pairs over {c['vocab']} keys/values; chance "
-                  f"{1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --out DIR/v41/train-ref`):\n",
-                  "| model | parameters | recall (teacher-forced) | recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | train s |",
-                  "|---|---|---|---|---|---|",
-                  f"| V4.1 (CSA2 + CED) | {v['parameters']:,} | {v['recall']:.3f} | {v.get('recall_cached_fp4', 0):.3f} | "
-                  f"{v['final_loss']:.3f} | {v['seconds']:.0f} |",
-                  f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | {d['final_loss']:.3f} | {d['seconds']:.0f} |", ""]
+                  f"{1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --steps {c['steps']} --out DIR/v41/train-ref`):\n",
+                  "| model | parameters | recall (teacher-forced, top-k reads) | recall, every global entry read (as trained) "
+                  "| recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | train s |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| V4.1 (CSA2 + CED) | {v['parameters']:,} | {v['recall']:.3f} | {_f3(v.get('recall_dense_read'))} | "
+                  f"{_f3(v.get('recall_cached_fp4'))} | {v['final_loss']:.3f} | {v['seconds']:.0f} |",
+                  f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | – | {d['final_loss']:.3f} | {d['seconds']:.0f} |", ""]
     return "\n".join(["## V4.1 reference model\n", *lines]) if lines else ""

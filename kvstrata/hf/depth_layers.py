@@ -1,4 +1,5 @@
-"""Cache layers that share K/V across a group of adjacent full-attention layers (FreqDepthKV).
+"""Cache layers that share K/V across a group of full-attention layers next to each other in depth
+(FreqDepthKV; sliding layers in between are skipped).
 
 transformers calls `update` one layer at a time, so the group works in blocks: every layer keeps
 its newest tokens in full precision until a block of `block` tokens is complete in every layer

@@ -5,6 +5,7 @@ import json
 
 from safetensors import safe_open
 
+from kvstrata.bench.v41_prefill import report_section
 from kvstrata.cli import main
 from kvstrata.models.v41 import V41ForCausalLM
 from kvstrata.models.v41.train import TrainConfig, _text_ids, batch
@@ -30,10 +31,15 @@ def test_recall_batches_ask_each_key_once():
 
 
 def test_train_ref_command_saves_both_models(tmp_path):
-    assert main(["train-ref", "--steps", "2", "--batch", "4", "--seq-len", "64", "--pairs", "4", "--eval-sequences", "8", "--out", str(tmp_path)]) == 0
+    out = tmp_path / "v41" / "train-ref"
+    assert main(["train-ref", "--steps", "2", "--batch", "4", "--seq-len", "64", "--pairs", "4", "--eval-sequences", "8", "--out", str(out)]) == 0
+    section = report_section(tmp_path)
+    assert "--steps 2" in section and "| V4.1 (CSA2 + CED) |" in section and "| dense transformer |" in section
+    tmp_path = out
     r = json.loads((tmp_path / "train_ref.json").read_text())
     assert set(r["models"]) == {"v41", "dense"}
     assert 0 <= r["models"]["v41"]["recall"] <= 1 and "recall_cached_fp4" in r["models"]["v41"]
+    assert 0 <= r["models"]["v41"]["recall_dense_read"] <= 1
     with safe_open(str(tmp_path / "v41" / "model.safetensors"), "pt") as f:
         assert any(k.startswith("layers.") for k in f.keys())
     assert V41ForCausalLM.from_pretrained(tmp_path / "v41").config.layer_modes[2] == "full"

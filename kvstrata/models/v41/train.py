@@ -97,10 +97,13 @@ def train_one(model, cfg: TrainConfig, text: list[int], label: str) -> dict:
 
 
 @torch.no_grad()
-def recall(model, cfg: TrainConfig, text: list[int]) -> float:
-    """Share of asked values predicted exactly (teacher-forced, no cache, float)."""
+def recall(model, cfg: TrainConfig, text: list[int], dense_read: bool = False) -> float:
+    """Share of asked values predicted exactly (teacher-forced, no cache, float). `dense_read`
+    evaluates V4.1 as it trains (every visible global entry attended, no top-k selection)."""
     ids, ask = batch(cfg, random.Random(cfg.seed + 10_000), text, cfg.eval_sequences)
+    model.train(dense_read)
     pred = model(input_ids=ids, use_cache=False).logits.argmax(-1)
+    model.eval()
     target = torch.zeros_like(ids)
     target[:, :-1] = ids[:, 1:]
     return (pred[ask] == target[ask]).float().mean().item()
@@ -130,6 +133,7 @@ def run(cfg: TrainConfig, out: Path) -> dict:
         stats = train_one(model, cfg, text, name)
         stats["recall"] = recall(model, cfg, text)
         if name == "v41":
+            stats["recall_dense_read"] = recall(model, cfg, text, dense_read=True)
             stats["recall_cached_fp4"] = recall_cached(model, cfg, text, n=max(4, cfg.eval_sequences // 4))
         model.save_pretrained(out / name)  # safetensors
         result["models"][name] = stats
