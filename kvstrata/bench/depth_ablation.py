@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstrata.bench.runner import BenchConfig
+from kvstrata.codecs.depth import MODES
 
 #: bf16 first (the reference), then forced modes (what sharing alone costs), then the probe's
 #: tolerance, then the best candidates on top of FP4.
@@ -70,6 +71,42 @@ def frontier(methods: dict, ref: dict, slack: float) -> tuple[str, dict] | None:
     return max(ok, key=lambda ms: ms[1]["compression"]) if ok else None
 
 
+def plot_modes(rows: list[dict], path: Path) -> Path | None:
+    """Heat map per probed method: depth group x KV head, coloured by the mode the probe fixed
+    (first instance's decisions). None when no row carries a map."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    maps = {}
+    for r in rows:
+        if r.get("head_mode_map") and r["method"] not in maps:
+            maps[r["method"]] = r["head_mode_map"]
+    probed = {m: g for m, g in maps.items() if _knobs(m).get("mode") == "probe"}
+    maps = probed or maps  # forced modes are uniform: plot the probe's choices when there are any
+    if not maps:
+        return None
+    fig, axes = plt.subplots(1, len(maps), figsize=(2.2 + 1.6 * len(maps), 3.2), squeeze=False)
+    cmap = ListedColormap(["tab:green", "tab:orange", "tab:gray"])
+    for ax, (method, groups) in zip(axes[0], maps.items()):
+        grid = [[MODES.index(m) for m in g["modes"]] for g in groups]
+        ax.imshow(grid, cmap=cmap, vmin=0, vmax=2, aspect="auto")
+        ax.set_yticks(range(len(groups)), [f"{g['layers'][0]}-{g['layers'][-1]}" for g in groups], fontsize=6)
+        ax.set_xticks(range(len(grid[0])))
+        ax.set_xlabel("KV head", fontsize=7)
+        ax.set_title(method.replace("depth:", ""), fontsize=6)
+    axes[0][0].set_ylabel("layers of the group", fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:green", "tab:orange", "tab:gray")]
+    fig.legend(handles, MODES, loc="lower center", ncol=3, fontsize=7)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def report_section(out) -> str:
     """The report's ablation section from `out/depth-ablation/results.jsonl` ('' if not run)."""
     from kvstrata.bench.report import _f, load_rows, summarise
@@ -97,9 +134,12 @@ def report_section(out) -> str:
                      _f(r["kl"], "{:.4f}"), _f(r["top1"]), _f(r["ppl_change"], "{:+.2%}"),
                      _modes([x for x in rows if x["method"] == m and x["model"] == model and x["length"] == length])]
             lines.append("| " + " | ".join(cells) + " |")
+        mine = [x for x in rows if x["model"] == model and x["length"] == length]
+        png = plot_modes(mine, path / f"head_modes_{model}_{length}.png")
+        if png is not None:
+            lines += ["", f"The probe's fixed decisions per depth group and KV head: ![head modes]({SUBDIR}/{png.name})"]
         if ref:
             lines.append("")
-            mine = [x for x in rows if x["model"] == model and x["length"] == length]
             depth = {m: r for m, r in s["methods"].items() if _shares(m, mine)}
             for label, pool in (("method that shares depth (some head not exact)", depth), ("method here", s["methods"])):
                 for slack in (0.01, 0.02):

@@ -75,7 +75,7 @@ def build_cache(model, pre: Prefill, spec: MethodSpec) -> tuple[CompressedCache,
 def _modes(cache: CompressedCache) -> dict:
     """Depth sharing's per-head decisions, as counts (empty for other methods)."""
     modes = cache.head_modes()
-    return {"head_modes": modes} if modes else {}
+    return {"head_modes": modes, "head_mode_map": cache.head_mode_map()} if modes else {}
 
 
 def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) -> dict:

@@ -162,7 +162,8 @@ def answered(row: dict, inst, answers: list[dict]) -> dict:
     scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
     main = answers[0]
     row.update({k: main[k] for k in ("kv_bytes", "compress_s", "question_s", "decode_s_per_token",
-                                     "bytes_read_per_step", "dense_bytes_read_per_step", "kv_bytes_in_memory", "head_modes")
+                                     "bytes_read_per_step", "dense_bytes_read_per_step", "kv_bytes_in_memory",
+                                     "head_modes", "head_mode_map")
                 if k in main})
     row.update(output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
                probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], inst.task))

@@ -266,6 +266,11 @@ class CompressedCache(Cache):
                 counts[mode] = counts.get(mode, 0) + 1
         return counts
 
+    def head_mode_map(self) -> list[dict]:
+        """Per depth group: its layers and each KV head's mode (what the report plots)."""
+        return [{"layers": list(run), "modes": list(group.modes)} for run, group in getattr(self, "depth_groups", [])
+                if group.modes]
+
     def nbytes(self) -> dict:
         """`{"layers": [bytes per layer], "total": bytes}`, measured from held tensors."""
         per_layer = [layer.nbytes() for layer in self.layers]

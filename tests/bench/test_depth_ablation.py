@@ -36,6 +36,8 @@ def test_rows_carry_head_modes(ablation_dir, tiny_llama):
     assert by[("depth:g=4,f=1,mode=exact", "fidelity")]["head_modes"] == {"exact": heads}
     probed = by[("depth:g=2,f=1,r=0.05,tol=0.3", "single")]["head_modes"]
     assert sum(probed.values()) == heads * groups_g2
+    groups = by[("depth:g=2,f=1,mode=shared", "fidelity")]["head_mode_map"]
+    assert groups == [{"layers": [0, 1], "modes": ["shared"] * heads}, {"layers": [2, 3], "modes": ["shared"] * heads}]
     assert "head_modes" not in by[("bf16", "single")]
     # sharing 2 layers in 1 (bf16 coefficients) holds about half of bf16's bytes; exact holds them all
     assert shared["kv_bytes"] < 0.6 * by[("bf16", "single")]["kv_bytes"]
@@ -50,8 +52,14 @@ def test_report_section(ablation_dir):
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1:8] == ["2", "1", "–", "–", "–", "shared", "bf16"]
     assert cells[-1] == "4 / 0 / 0"  # 2 heads x 2 groups, all shared
+    png = out_png(ablation_dir)
+    assert png.stat().st_size > 1000 and f"({depth_ablation.SUBDIR}/{png.name})" in md
     assert "Most compressed method that shares depth (some head not exact) with single-needle retrieval within 1 point(s) of bf16" in md
     assert "Most compressed method here with single-needle retrieval within 2 point(s) of bf16" in md
+
+
+def out_png(out):
+    return out / depth_ablation.SUBDIR / "head_modes_tiny-llama_160.png"
 
 
 def write_report_of(out):
