@@ -56,7 +56,7 @@ def _modes(rows: list[dict]) -> str:
     first = next((r["head_modes"] for r in rows if r.get("head_modes")), None)
     if not first:
         return "–"
-    return " / ".join(str(first.get(m, 0)) for m in ("shared", "residual", "exact"))
+    return " / ".join(str(first.get(m, 0)) for m in MODES)
 
 
 def _shares(method: str, rows: list[dict]) -> bool:
@@ -123,18 +123,18 @@ def report_section(out) -> str:
              "(head decisions: shared / residual / exact).\n"]
     for (model, length), s in summarise(rows).items():
         ref = s["methods"].get("bf16")
+        mine = [x for x in rows if x["model"] == model and x["length"] == length]
         lines += [f"### {model}, {length} tokens ({s['n']} instances)\n",
                   "| method | G | F | r | tol | norm | mode | codec | B/token | × smaller | single | KL | top-1 | Δppl | heads s / r / e |",
                   "|" + "---|" * 15]
         for m, r in sorted(s["methods"].items(), key=lambda kv: kv[1]["compression"]):
             k = _knobs(m)
-            cells = [f"`{m}`", *(str(k.get(x, "–")) if k.get(x) is not None else "–" for x in ("g", "f", "r", "tol")),
+            cells = [f"`{m}`", *("–" if k.get(x) is None else str(k[x]) for x in ("g", "f", "r", "tol")),
                      "yes" if k.get("norm") else "–", k.get("mode", "–"), k["codec"],
                      _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]), _f(r["per_task"].get("single")),
                      _f(r["kl"], "{:.4f}"), _f(r["top1"]), _f(r["ppl_change"], "{:+.2%}"),
-                     _modes([x for x in rows if x["method"] == m and x["model"] == model and x["length"] == length])]
+                     _modes([x for x in mine if x["method"] == m])]
             lines.append("| " + " | ".join(cells) + " |")
-        mine = [x for x in rows if x["model"] == model and x["length"] == length]
         png = plot_modes(mine, path / f"head_modes_{model}_{length}.png")
         if png is not None:
             lines += ["", f"The probe's fixed decisions per depth group and KV head: ![head modes]({SUBDIR}/{png.name})"]
