@@ -264,11 +264,25 @@ def _cmd_v41_prefill(args) -> int:
     return 0
 
 
+def _overrides(text: str | None) -> dict:
+    """`--override` JSON, refused with a clear message unless it is an object."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--override is not valid JSON ({exc.msg} at char {exc.pos}): {text!r}")
+    if not isinstance(value, dict):
+        raise SystemExit(f"--override must be a JSON object of V41Config fields, got {type(value).__name__}")
+    return value
+
+
 def _cmd_train_ref(args) -> int:
     from kvstrata.models.v41.train import TrainConfig, run
 
     r = run(TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, pairs=args.pairs,
-                        seed=args.seed, eval_sequences=args.eval_sequences), Path(args.out))
+                        seed=args.seed, eval_sequences=args.eval_sequences, overrides=_overrides(args.override)),
+            Path(args.out))
     for name, m in r["models"].items():
         extra = f", from the FP4 cache after half-depth prefill {m['recall_cached_fp4']:.3f}" if "recall_cached_fp4" in m else ""
         print(f"{name}: recall {m['recall']:.3f}{extra} (loss {m['final_loss']:.3f}, {m['seconds']:.0f} s, {m['parameters']:,} params)")
@@ -386,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--pairs", type=int, default=4)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--eval-sequences", type=int, default=256)
+    tr.add_argument("--override", help="JSON object of V41Config fields for both models, e.g. "
+                    "'{\"layer_modes\": [\"full\", ...], \"compress\": [1, ...]}'")
     tr.add_argument("--out", default="runs/train-ref")
     tr.set_defaults(func=_cmd_train_ref)
 

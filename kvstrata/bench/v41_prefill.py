@@ -43,6 +43,12 @@ def run(name: str = "small-v41", factor: int = 16, repeats: int = 5, seed: int =
             "ced_runs_s": t_ced, "full_depth_runs_s": t_plain}
 
 
+def _override(c: dict) -> str:
+    import json
+
+    return f" --override '{json.dumps(c['overrides'])}'" if c.get("overrides") else ""
+
+
 def _f3(v) -> str:
     return "–" if v is None else f"{v:.3f}"
 
@@ -66,7 +72,7 @@ def report_section(out) -> str:
         c, v, d = r["config"], r["models"]["v41"], r["models"]["dense"]
         lines += [f"Associative recall after training both `{c['preset']}`-sized models the same way ({c['steps']} steps, "
                   f"batch {c['batch']}, {c['seq_len']} tokens, {c['pairs']} pairs over {c['vocab']} keys/values; chance "
-                  f"{1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --steps {c['steps']} --out DIR/v41/train-ref`):\n",
+                  f"{1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --steps {c['steps']}{_override(c)} --out DIR/v41/train-ref`):\n",
                   "| model | parameters | recall (teacher-forced, top-k reads) | recall, every global entry read (as trained) "
                   "| recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | train s |",
                   "|---|---|---|---|---|---|---|",

@@ -43,3 +43,16 @@ def test_train_ref_command_saves_both_models(tmp_path):
     with safe_open(str(tmp_path / "v41" / "model.safetensors"), "pt") as f:
         assert any(k.startswith("layers.") for k in f.keys())
     assert V41ForCausalLM.from_pretrained(tmp_path / "v41").config.layer_modes[2] == "full"
+
+
+def test_train_ref_override_reaches_both_models_and_bad_json_is_refused(tmp_path):
+    import pytest
+
+    args = ["train-ref", "--steps", "1", "--batch", "2", "--eval-sequences", "4", "--out", str(tmp_path)]
+    assert main([*args, "--override", '{"sliding_window": 16}']) == 0
+    assert V41ForCausalLM.from_pretrained(tmp_path / "v41").config.sliding_window == 16
+    assert json.loads((tmp_path / "train_ref.json").read_text())["config"]["overrides"] == {"sliding_window": 16}
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        main([*args, "--override", "{sliding"])
+    with pytest.raises(SystemExit, match="JSON object"):
+        main([*args, "--override", "[1]"])

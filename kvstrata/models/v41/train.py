@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,8 @@ class TrainConfig:
     lr: float = 1e-2
     seed: int = 0
     eval_sequences: int = 256
+    #: V41Config fields to override on the preset (ablations: layer_modes, compress, ced, sliding_window)
+    overrides: dict = field(default_factory=dict)
 
 
 def _text_ids() -> list[int]:
@@ -125,7 +127,7 @@ def recall_cached(model, cfg: TrainConfig, text: list[int], n: int = 64) -> floa
 def run(cfg: TrainConfig, out: Path) -> dict:
     torch.manual_seed(cfg.seed)
     text = _text_ids()
-    mcfg = preset(cfg.preset)
+    mcfg = preset(cfg.preset, **cfg.overrides)
     models = {"v41": V41ForCausalLM(mcfg), "dense": baseline_for(mcfg)}
     result = {"config": asdict(cfg), "models": {}}
     for name, model in models.items():
