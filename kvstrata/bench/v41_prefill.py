@@ -53,13 +53,30 @@ def _f3(v) -> str:
     return "–" if v is None else f"{v:.3f}"
 
 
+def _train_lines(path, r: dict) -> list[str]:
+    c, v, d = r["config"], r["models"]["v41"], r["models"]["dense"]
+    what = (f"with `V41Config` overrides {', '.join(sorted(c['overrides']))}" if c.get("overrides")
+            else "as published (scaled by depth)")
+    return [f"Associative recall after training both `{c['preset']}`-sized models the same way, V4.1's layout {what} "
+            f"({c['steps']} steps, batch {c['batch']}, {c['seq_len']} tokens, {c['pairs']} pairs over {c['vocab']} "
+            f"keys/values; chance {1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --steps {c['steps']}"
+            f"{_override(c)} --out DIR/v41/{path.parent.name}`):\n",
+            "| model | parameters | recall (teacher-forced, top-k reads) | recall, every global entry read (as trained) "
+            "| recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | train s |",
+            "|---|---|---|---|---|---|---|",
+            f"| V4.1 (CSA2 + CED) | {v['parameters']:,} | {v['recall']:.3f} | {_f3(v.get('recall_dense_read'))} | "
+            f"{_f3(v.get('recall_cached_fp4'))} | {v['final_loss']:.3f} | {v['seconds']:.0f} |",
+            f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | – | {d['final_loss']:.3f} | {d['seconds']:.0f} |", ""]
+
+
 def report_section(out) -> str:
-    """The report's V4.1 section from `out/v41/prefill.json` and `out/v41/train-ref/train_ref.json`
-    ('' when neither was run into this directory)."""
+    """The report's V4.1 section from `out/v41/prefill.json` and every `out/v41/*/train_ref.json`
+    (`train-ref` first; '' when none was run into this directory)."""
     import json
     from pathlib import Path
 
-    pre, tr = Path(out) / "v41" / "prefill.json", Path(out) / "v41" / "train-ref" / "train_ref.json"
+    pre = Path(out) / "v41" / "prefill.json"
+    runs = sorted((Path(out) / "v41").glob("*/train_ref.json"), key=lambda p: (p.parent.name != "train-ref", p.parent.name))
     lines = []
     if pre.exists():
         r = json.loads(pre.read_text())
@@ -67,16 +84,6 @@ def report_section(out) -> str:
                   f"({r['layers']} layers): {r['ced_prefill_s']:.3f} s against {r['full_depth_prefill_s']:.3f} s for the "
                   f"same weights without CED, ratio **{r['ratio']:.3f}** (median of {r['repeats']}; "
                   "`kvstrata v41-prefill --preset small-v41 --factor 16 --out DIR/v41/prefill.json`).\n"]
-    if tr.exists():
-        r = json.loads(tr.read_text())
-        c, v, d = r["config"], r["models"]["v41"], r["models"]["dense"]
-        lines += [f"Associative recall after training both `{c['preset']}`-sized models the same way ({c['steps']} steps, "
-                  f"batch {c['batch']}, {c['seq_len']} tokens, {c['pairs']} pairs over {c['vocab']} keys/values; chance "
-                  f"{1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --steps {c['steps']}{_override(c)} --out DIR/v41/train-ref`):\n",
-                  "| model | parameters | recall (teacher-forced, top-k reads) | recall, every global entry read (as trained) "
-                  "| recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | train s |",
-                  "|---|---|---|---|---|---|---|",
-                  f"| V4.1 (CSA2 + CED) | {v['parameters']:,} | {v['recall']:.3f} | {_f3(v.get('recall_dense_read'))} | "
-                  f"{_f3(v.get('recall_cached_fp4'))} | {v['final_loss']:.3f} | {v['seconds']:.0f} |",
-                  f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | – | {d['final_loss']:.3f} | {d['seconds']:.0f} |", ""]
+    for path in runs:
+        lines += _train_lines(path, json.loads(path.read_text()))
     return "\n".join(["## V4.1 reference model\n", *lines]) if lines else ""

@@ -48,10 +48,13 @@ def test_train_ref_command_saves_both_models(tmp_path):
 def test_train_ref_override_reaches_both_models_and_bad_json_is_refused(tmp_path):
     import pytest
 
-    args = ["train-ref", "--steps", "1", "--batch", "2", "--eval-sequences", "4", "--out", str(tmp_path)]
+    out = tmp_path / "v41" / "window16"
+    args = ["train-ref", "--steps", "1", "--batch", "2", "--eval-sequences", "4", "--out", str(out)]
     assert main([*args, "--override", '{"sliding_window": 16}']) == 0
-    assert V41ForCausalLM.from_pretrained(tmp_path / "v41").config.sliding_window == 16
-    assert json.loads((tmp_path / "train_ref.json").read_text())["config"]["overrides"] == {"sliding_window": 16}
+    assert V41ForCausalLM.from_pretrained(out / "v41").config.sliding_window == 16
+    assert json.loads((out / "train_ref.json").read_text())["config"]["overrides"] == {"sliding_window": 16}
+    section = report_section(tmp_path)  # every run under DIR/v41 is reported, with the command that made it
+    assert "overrides sliding_window" in section and """--override '{"sliding_window": 16}' --out DIR/v41/window16""" in section
     with pytest.raises(SystemExit, match="not valid JSON"):
         main([*args, "--override", "{sliding"])
     with pytest.raises(SystemExit, match="JSON object"):
