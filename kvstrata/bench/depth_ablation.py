@@ -32,6 +32,7 @@ GRID = (
     "nvfp4",
 )
 TASKS = ("single", "fidelity")
+COLOURS = ("tab:green", "tab:orange", "tab:gray")  # shared, residual, exact (MODES order)
 SUBDIR = "depth-ablation"
 
 
@@ -61,7 +62,7 @@ def _modes(rows: list[dict]) -> str:
 
 def _shares(method: str, rows: list[dict]) -> bool:
     """Whether the probe or the forced mode left some head shared or residual (not all exact)."""
-    return any(r.get("head_modes", {}).get(m) for r in rows if r["method"] == method for m in ("shared", "residual"))
+    return any(r.get("head_modes", {}).get(m) for r in rows if r["method"] == method for m in MODES if m != "exact")
 
 
 def frontier(methods: dict, ref: dict, slack: float) -> tuple[str, dict] | None:
@@ -89,7 +90,7 @@ def plot_modes(rows: list[dict], path: Path) -> Path | None:
     if not maps:
         return None
     fig, axes = plt.subplots(1, len(maps), figsize=(2.2 + 1.6 * len(maps), 3.2), squeeze=False)
-    cmap = ListedColormap(["tab:green", "tab:orange", "tab:gray"])
+    cmap = ListedColormap(list(COLOURS))
     for ax, (method, groups) in zip(axes[0], maps.items()):
         grid = [[MODES.index(m) for m in g["modes"]] for g in groups]
         ax.imshow(grid, cmap=cmap, vmin=0, vmax=2, aspect="auto")
@@ -98,7 +99,7 @@ def plot_modes(rows: list[dict], path: Path) -> Path | None:
         ax.set_xlabel("KV head", fontsize=7)
         ax.set_title(method.replace("depth:", ""), fontsize=6)
     axes[0][0].set_ylabel("layers of the group", fontsize=7)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:green", "tab:orange", "tab:gray")]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS]
     fig.legend(handles, MODES, loc="lower center", ncol=3, fontsize=7)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)

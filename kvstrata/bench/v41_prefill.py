@@ -7,8 +7,10 @@ machine noise hits both; the ratio of medians is the number.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,8 +46,6 @@ def run(name: str = "small-v41", factor: int = 16, repeats: int = 5, seed: int =
 
 
 def _override(c: dict) -> str:
-    import json
-
     return f" --override '{json.dumps(c['overrides'])}'" if c.get("overrides") else ""
 
 
@@ -72,9 +72,6 @@ def _train_lines(path, r: dict) -> list[str]:
 def report_section(out) -> str:
     """The report's V4.1 section from `out/v41/prefill.json` and every `out/v41/*/train_ref.json`
     (`train-ref` first; '' when none was run into this directory)."""
-    import json
-    from pathlib import Path
-
     pre = Path(out) / "v41" / "prefill.json"
     runs = sorted((Path(out) / "v41").glob("*/train_ref.json"), key=lambda p: (p.parent.name != "train-ref", p.parent.name))
     lines = []

@@ -261,8 +261,8 @@ class CompressedCache(Cache):
         """How many (group, KV head) pairs each depth mode holds: the probe's decisions, {} without
         depth sharing or before a group is encoded."""
         counts: dict[str, int] = {}
-        for _, group in getattr(self, "depth_groups", []):
-            for mode in group.modes or []:
+        for group in self.head_mode_map():
+            for mode in group["modes"]:
                 counts[mode] = counts.get(mode, 0) + 1
         return counts
 

@@ -83,18 +83,18 @@ class V41Attention(nn.Module):
         b, t, _ = x.shape
         xi = x.detach()
         iq = self.iq_proj(xi).view(b, t, cfg.index_heads, cfg.index_dim)
-        scores = csa2.causal_scores(self.scorer(iq, own["ik"], xi), csa2.visible(pos, m))
+        vis = csa2.visible(pos, m)
+        scores = csa2.causal_scores(self.scorer(iq, own["ik"], xi), vis)
         if self.training:
             ctx["index_scores"] = scores  # trained to follow the main attention (index_loss)
         cand = None
         if self.training and not cfg.train_sparse:  # dense warm-up: attend every visible entry
-            vis = csa2.visible(pos, m)
             idx = torch.arange(scores.shape[-1]).expand(b, t, -1).masked_fill(
                 torch.arange(scores.shape[-1]) >= vis[None, :, None], -1)
         elif self.mode == "reindex" and src.get("cand") is not None:
             idx = csa2.rescore(scores, src["cand"], cfg.index_topk)
         elif cfg.hierarchical(self.layer):
-            idx, cand = csa2.hierarchical(scores, csa2.visible(pos, m), cfg.index_topk, cfg.hier_block, cfg.hier_blocks)
+            idx, cand = csa2.hierarchical(scores, vis, cfg.index_topk, cfg.hier_block, cfg.hier_blocks)
         else:
             idx = csa2.topk(scores, cfg.index_topk)
         ctx.update(lat=own["lat"], idx=idx, cand=cand if cand is not None else (src or {}).get("cand"), m=m)
