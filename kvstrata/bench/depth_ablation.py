@@ -138,7 +138,7 @@ def report_section(out) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         png = plot_modes(mine, path / f"head_modes_{model}_{length}.png")
         if png is not None:
-            lines += ["", f"The probe's fixed decisions per depth group and KV head: ![head modes]({SUBDIR}/{png.name})"]
+            lines += ["", "The probe's fixed decisions per depth group and KV head:", "", f"![head modes]({SUBDIR}/{png.name})"]
         if ref:
             lines.append("")
             depth = {m: r for m, r in s["methods"].items() if _shares(m, mine)}

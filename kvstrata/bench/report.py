@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -43,6 +44,7 @@ def summarise(rows: list[dict]) -> dict:
     for key, rs in sorted(groups.items()):
         tasks = sorted({r["task"] for r in rs}, key=lambda t: (RETRIEVAL + REASONING + FIDELITY).index(t))
         ref = [r for r in rs if r["method"] == "bf16"]
+        rs = rs + _reference_subsets(rs, ref)
         usable = {t: (_avg([r["score"] for r in ref if r["task"] == t]) or 0) >= USABLE for t in tasks if t not in FIDELITY}
         methods = {}
         names = list(dict.fromkeys(r["method"] for r in rs))
@@ -55,7 +57,7 @@ def summarise(rows: list[dict]) -> dict:
             fid = [r for r in mr if r["task"] in FIDELITY]
             methods[m] = {
                 "family": mr[0]["family"],
-                "n": len(mr),
+                "n": min(_count(mr, t) for t in {r["task"] for r in mr}),
                 "kv_bytes_per_token": _avg([r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY] or
                                            [r["kv_bytes_per_token"] for r in mr]),
                 "compression": _avg([r["compression"] for r in mr]),
@@ -77,6 +79,18 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def _reference_subsets(rs: list[dict], ref: list[dict]) -> list[dict]:
+    """`bf16 (first N)` rows: the reference on the first N instances, for every method run on fewer
+    instances than the reference (instance i is the same context for every method), so such a
+    method is read against the reference on its own instances."""
+    if not ref:
+        return []
+    full = min(_count(ref, t) for t in {r["task"] for r in ref})
+    fewer = {min(_count(mr, t) for t in {r["task"] for r in mr})
+             for m in {r["method"] for r in rs} for mr in [[r for r in rs if r["method"] == m]]}
+    return [dict(r, method=f"bf16 (first {n})") for n in sorted(k for k in fewer if k < full) for r in ref if r["index"] < n]
+
+
 def _count(rs, task):
     return len({r["index"] for r in rs if r["task"] == task})
 
@@ -94,15 +108,16 @@ def markdown(summary: dict) -> str:
         if unusable:
             lines.append(f"Tasks the uncompressed `bf16` reference scores below {USABLE:.0%} on (beyond this model; "
                          f"shown, not used to rank): {', '.join(unusable)}.\n")
-        lines.append(f"Failures (`fail: retr / reas`) count questions over the tasks every method here ran: "
-                     f"{', '.join(s['common'])}. `–` = not run.\n")
-        head = ["method", "family", "B/token", "× smaller", "retrieval"] + tasks + \
+        lines.append("`n` = instances per task (the first n; `bf16 (first n)` is the reference on those same "
+                     f"instances). Failures (`fail: retr / reas`) count questions over the tasks every method here "
+                     f"ran: {', '.join(s['common'])}. `–` = not run.\n")
+        head = ["method", "family", "n", "B/token", "× smaller", "retrieval"] + tasks + \
                ["fail: retr / reas", "KL", "top-1", "Δppl", "B read/step", "prefill s", "decode s/tok", "peak RSS MB"]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         order = sorted(s["methods"].items(), key=lambda kv: -kv[1]["kv_bytes_per_token"])
         for m, r in order:
-            cells = [f"`{m}`", r["family"], _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]),
+            cells = [f"`{m}`", r["family"], str(r["n"]), _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]),
                      _f(r["retrieval"])]
             cells += [_f(r["per_task"][t]) for t in tasks]
             cells += [f"{r['fail_retrieval']} / {r['fail_reasoning']}", _f(r["kl"], "{:.4f}"), _f(r["top1"]),
@@ -180,17 +195,17 @@ def write_report(out: Path) -> Path:
     summary = summarise(rows)
     runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
     meta = runs[-1]
-    from kvstrata.bench import depth_ablation, v41_prefill
+    from kvstrata.bench import depth_ablation, sparse_frontier, v41_prefill
 
     peers = compare.section(summary, rows)
     md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary), peers,
-          depth_ablation.report_section(out), v41_prefill.report_section(out)]
+          sparse_frontier.report_section(rows, out), depth_ablation.report_section(out), v41_prefill.report_section(out)]
     sections = "\n".join(md[2:])
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]
     (out / "report.md").write_text("\n".join(md))
     (out / "summary.md").write_text(compact(summary))
-    (out / "report.html").write_text(_html("\n".join(md[:2]), sections, pngs))
+    (out / "report.html").write_text(_html("\n".join(md[:2]), sections, pngs, out))
     return out / "report.md"
 
 
@@ -204,12 +219,20 @@ def _protocol_note(meta: dict) -> str:
             f"(torch {meta.get('torch', '?')}, {meta.get('threads', '?')} threads); compare them within one run.\n")
 
 
-def _html(intro: str, table_md: str, pngs: list[Path]) -> str:
+def _img(path: Path) -> str:
+    return f'<img src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}" style="max-width:100%">'
+
+
+def _html(intro: str, table_md: str, pngs: list[Path], out: Path) -> str:
+    """One self-contained page: tables as HTML, every plot (main and sections') embedded."""
     body = [f"<p>{html.escape(line)}</p>" for line in intro.splitlines() if line.strip() and not line.startswith("#")]
     rows_html = []
     lines = table_md.splitlines()
     for i, line in enumerate(lines):
-        if line.startswith("#"):
+        image = re.fullmatch(r"!\[[^\]]*\]\(([^)]+)\)", line.strip())
+        if image and (out / image[1]).is_file():
+            rows_html.append(_img(out / image[1]))
+        elif line.startswith("#"):
             rows_html.append(f"<h3>{html.escape(line.lstrip('#').strip())}</h3>")
         elif line.startswith("|") and "---" not in line:
             header = i + 1 < len(lines) and lines[i + 1].startswith("|---")
@@ -226,8 +249,7 @@ def _html(intro: str, table_md: str, pngs: list[Path]) -> str:
             in_table = is_row
         out.append(item)
     table = "\n".join(out + (["</table>"] if in_table else []))
-    imgs = "".join(f'<img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}" style="max-width:100%">'
-                   for p in pngs)
+    imgs = "".join(_img(p) for p in pngs)
     style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px}"
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvstrata report</title><style>{style}</style></head>"
             f"<body><h1>kvstrata benchmark report</h1>{''.join(body)}{table}{imgs}</body></html>")

@@ -95,6 +95,15 @@ class DepthLayer(CompressedLayer):
         share = shared // g + (shared % g if self.index == 0 else 0)
         return held_bytes([self.keys, self.values]) + share
 
+    def row_bytes(self, tokens: int = 256) -> tuple[float, float]:
+        """Bytes per token's K row and V row per KV head, averaged over what this layer holds (its share
+        of the group's blocks plus its tail): what a sparse read gathers per entry under sharing."""
+        n = self.stored_tokens() if self.is_initialized else 0
+        if n == 0:
+            return super().row_bytes(tokens)
+        per = self.nbytes() / n / self.keys.shape[1] / 2
+        return per, per
+
     def reset(self) -> None:
         super().reset()
         self.group.blocks, self.group.state = [], {}

@@ -39,6 +39,8 @@ class V41Layout:
     main_entry: tuple[tuple[str, int], ...] = (("nvfp4:tensor_scale=0", 512),)
     index_entry: tuple[tuple[str, int], ...] = (("mxfp4", 128),)
     swa_entry: tuple[tuple[str, int], ...] = (("fp8", 512),)
+    #: pure-SWA layers hold a V row apart from the K = V row (a deviation some reference runs use)
+    swa_values: bool = False
     #: V4 persisted each cached prefix's SWA window once per this many tokens (an assumption: see docs)
     swa_persist_every: int = 0
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -110,7 +112,8 @@ def cache_plan(cfg: V41Layout) -> list[LayerPlan]:
         owns = mode in ("full", "csa", "hca")
         g = main / m if owns else 0.0
         ix = index / m if mode in ("full", "csa") else 0.0
-        plan.append(LayerPlan(i, mode, _source(cfg.modes, i), m, g, ix, cfg.window * swa))
+        rows = 2 if cfg.swa_values and mode == "swa" else 1
+        plan.append(LayerPlan(i, mode, _source(cfg.modes, i), m, g, ix, cfg.window * swa * rows))
     return plan
 
 

@@ -4,6 +4,9 @@
 - exact: max over the query heads sharing the KV head of q . k;
 - lightning: V4.1's form `sum_h relu(q_h . k)` over those query heads (unit head weights), on
   keys rounded through MXFP4 as V4.1 keeps its index keys.
+- lowrank: the exact form on `rank`-dim index keys: K and q projected onto the top principal
+  directions of the layer's prefilled keys (per KV head, fixed at the first sparse step; the
+  Loki observation that attention keys are low-rank), index keys held in NVFP4.
 """
 
 from __future__ import annotations
@@ -28,7 +31,34 @@ def lightning(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return _grouped(q, quantize(k.float(), "mxfp4").dequantize()).relu().sum(2)
 
 
-INDEXERS = {"exact": exact, "lightning": lightning}
+def key_basis(k: torch.Tensor, rank: int) -> torch.Tensor:
+    """Top-`rank` eigenvectors of each KV head's uncentred key second moment: `[b, kv_heads, d, rank]`.
+    Uncentred, because the index ranks dot products, and the keys' mean direction carries them."""
+    if not 1 <= rank <= k.shape[-1]:
+        raise ValueError(f"topk: rank must be in 1..{k.shape[-1]} (the head dim), got {rank}")
+    k = k.float()
+    _, vecs = torch.linalg.eigh(k.transpose(-1, -2) @ k)
+    return vecs[..., -rank:].flip(-1)
+
+
+def lowrank(q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    b, hq, _, d = q.shape
+    hk = k.shape[1]
+    qp = q[:, :, 0].reshape(b, hk, hq // hk, d).float() @ basis  # [b, kv_heads, q_per_kv, rank]
+    kp = quantize(k.float() @ basis, "nvfp4").dequantize()
+    return _grouped(qp.reshape(b, hq, 1, -1), kp).amax(2)
+
+
+def index_row_bytes(indexer: str, d: int, rank: int, k_row: float) -> float:
+    """Bytes one index key takes per KV head: the K row itself (exact), an MXFP4 copy (lightning), or
+    a `rank`-dim NVFP4 projection (lowrank); averaged over 256 rows so per-tensor scales amortise."""
+    if indexer == "exact":
+        return k_row
+    fmt, dim = ("mxfp4", d) if indexer == "lightning" else ("nvfp4", rank)
+    return quantize(torch.zeros(256, dim), fmt).nbytes / 256
+
+
+INDEXERS = {"exact": exact, "lightning": lightning, "lowrank": lowrank}
 
 
 def hierarchical(scores: torch.Tensor, k: int, block: int = 8, blocks: int | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvstrata.read.indexers import INDEXERS, hierarchical
+from kvstrata.read.indexers import INDEXERS, hierarchical, index_row_bytes, key_basis
 
 NAME = "kvstrata_sparse"
 
@@ -35,6 +35,7 @@ class TopK:
     sinks: int = 4
     window: int = 64
     hier: bool = False
+    rank: int = 16  # index-key dims of the lowrank indexer (a multiple of 16: NVFP4 blocks)
     name: ClassVar[str] = "topk"
     summary: ClassVar[str] = "top-k sparse decode reads (sinks + window + indexed top-k), Full/Reindex/Reuse schedule"
 
@@ -43,6 +44,8 @@ class TopK:
             raise ValueError(f"topk: need k >= 1, sinks >= 0, window >= 1; got {self}")
         if self.indexer not in INDEXERS:
             raise ValueError(f"topk: unknown indexer {self.indexer!r} (known: {', '.join(INDEXERS)})")
+        if self.rank < 16 or self.rank % 16:
+            raise ValueError(f"topk: rank must be a positive multiple of 16 (NVFP4 blocks), got {self.rank}")
         self.modes(1)
 
     def modes(self, n_layers: int) -> list[str]:
@@ -58,12 +61,22 @@ class TopK:
 class ReadState:
     cfg: TopK
     modes: dict[int, str]  # layer index -> F / R / U (full-attention layers only)
-    row_bytes: dict[int, tuple[float, float, float]]  # layer -> bytes of one K row, V row, index row
+    layers: list = field(default_factory=list)  # the cache's layers (their encoded row sizes)
+    head_dim: int = 0
+    row_bytes: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # K row, V row, index row
     source: dict[str, torch.Tensor] = field(default_factory=dict)  # the current Full layer's picks
     picked: dict[int, torch.Tensor] = field(default_factory=dict)  # last step's positions per layer
+    bases: dict[int, torch.Tensor] = field(default_factory=dict)  # lowrank indexer: per-layer key basis
     bytes_read: float = 0.0  # index rows scanned + entries gathered, all decode steps
     dense_bytes: float = 0.0  # what dense attention would have read
     steps_seen: int = 0  # Full-layer calls (first layer per step counts one step per Full layer)
+
+    def rows(self, layer: int) -> tuple[float, float, float]:
+        """Bytes of one K row, V row and index-key row per KV head, measured once the layer holds data."""
+        if layer not in self.row_bytes:
+            kb, vb = self.layers[layer].row_bytes()
+            self.row_bytes[layer] = (kb, vb, index_row_bytes(self.cfg.indexer, self.head_dim, self.cfg.rank, kb))
+        return self.row_bytes[layer]
 
     @property
     def steps(self) -> int:
@@ -88,10 +101,20 @@ def _attend(q, k, v, scaling, mask=None):
     return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
 
 
+def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The layer's indexer scores of `k` (all cached keys, or a Reindex layer's candidates) for `q`;
+    a lowrank basis is fitted once per layer from `keys`, the whole cache at the first sparse step."""
+    if state.cfg.indexer != "lowrank":
+        return INDEXERS[state.cfg.indexer](q, k)
+    if layer not in state.bases:
+        state.bases[layer] = key_basis(keys, state.cfg.rank)
+    return INDEXERS["lowrank"](q, k, state.bases[layer])
+
+
 def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Positions `[b, kv_heads, m]` (sorted) this layer reads; counts the bytes scanned and gathered."""
     cfg, (b, heads, n, _) = state.cfg, k.shape
-    kb, vb, ib = state.row_bytes[layer]  # one K row, one V row, one index-key row (per KV head)
+    kb, vb, ib = state.rows(layer)  # one K row, one V row, one index-key row (per KV head)
     fixed = torch.cat([torch.arange(min(cfg.sinks, n)), torch.arange(max(0, n - cfg.window), n)]).unique()
     free = torch.ones(n, dtype=torch.bool)
     free[fixed] = False
@@ -103,14 +126,14 @@ def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> to
             top = free.nonzero()[:, 0].expand(b, heads, middle)
             cand = top
         else:
-            scores = INDEXERS[cfg.indexer](q, k).masked_fill(~free, float("-inf"))
+            scores = _scores(state, layer, q, k, k).masked_fill(~free, float("-inf"))
             state.bytes_read += n * heads * ib
             top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
             cand = scores.topk(min(4 * cfg.k, middle), -1).indices
         state.source = {"top": top, "cand": cand}
     elif mode == "R":
         cand = state.source["cand"]
-        sub = INDEXERS[cfg.indexer](q, k.gather(2, cand[..., None].expand(-1, -1, -1, k.shape[-1])))
+        sub = _scores(state, layer, q, k.gather(2, cand[..., None].expand(-1, -1, -1, k.shape[-1])), k)
         state.bytes_read += cand.shape[-1] * heads * ib
         top = cand.gather(-1, sub.topk(min(cfg.k, cand.shape[-1]), -1).indices)
     else:
@@ -138,21 +161,13 @@ AttentionInterface.register(NAME, _sparse_attention)
 AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
-def index_row_bytes(cfg: TopK, layer) -> float:
-    """Bytes one index key takes: the K row itself (exact) or an MXFP4 copy (lightning)."""
-    if cfg.indexer == "lightning":
-        from kvstrata.codecs import quantize
-
-        return quantize(torch.zeros(1, layer.keys.shape[-1]), "mxfp4").nbytes
-    return layer.row_bytes()[0]
-
-
 @contextlib.contextmanager
 def sparse_reading(model, cache, cfg: TopK):
     """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
     full = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
     modes = dict(zip(full, cfg.modes(len(full))))
-    state = ReadState(cfg, modes, {i: (*cache.layers[i].row_bytes(), index_row_bytes(cfg, cache.layers[i])) for i in full})
+    c = model.config
+    state = ReadState(cfg, modes, list(cache.layers), getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     previous = model.config._attn_implementation
     model.set_attn_implementation(NAME)
     _ACTIVE.append(state)

@@ -106,8 +106,17 @@ def test_global_kv_is_stored_fp4_and_swa_fp8(tiny):
     assert len(cache.layers[3].latents) == 0 and len(cache.layers[6].latents) == 0  # Reuse / Reindex own none
 
 
+@pytest.fixture(scope="module")
+def tiny_swa_values():
+    """Pure-SWA layers with V projected apart from K."""
+    torch.manual_seed(2)
+    return V41ForCausalLM(preset("tiny-v41", n_win=16, swa_values=True)).eval()
+
+
 @pytest.mark.parametrize("tokens", [32, 64])
-def test_allocated_bytes_equal_the_accounting(tiny, tokens):
+@pytest.mark.parametrize("variant", ["tiny", "tiny_swa_values"])
+def test_allocated_bytes_equal_the_accounting(variant, tokens, request):
+    tiny = request.getfixturevalue(variant)
     cache = V41Cache(tiny.config)
     with torch.no_grad():
         tiny(torch.randint(0, 512, (1, tokens)), past_key_values=cache, half_depth=False)
@@ -126,7 +135,20 @@ def test_v41_flash_preset_on_meta_device_matches_890():
     assert totals(cfg.layout())["global_kv_bytes_per_token"] == 890
 
 
-def test_half_depth_prefill_equals_full_depth_when_prompt_fits_n_win(tiny):
+@pytest.fixture(scope="module")
+def tiny_v4_attention():
+    """Sinks and output de-rotation on, sinks non-zero."""
+    torch.manual_seed(1)
+    model = V41ForCausalLM(preset("tiny-v41", n_win=16, attn_sink=True, derotate=True)).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attn.sinks.normal_()
+    return model
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny_v4_attention", "tiny_swa_values"])
+def test_half_depth_prefill_equals_full_depth_when_prompt_fits_n_win(variant, request):
+    tiny = request.getfixturevalue(variant)
     ids = torch.randint(0, 512, (1, 16))  # n_win = 16
     nxt = torch.randint(0, 512, (1, 4))
     out = {}
@@ -161,3 +183,47 @@ def test_generate_runs(tiny):
     ids = torch.randint(0, 512, (1, 20))
     out = tiny.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 24)
+
+
+def test_derotated_output_depends_on_distance_only():
+    g = torch.Generator().manual_seed(3)
+    q, s = torch.randn(1, 2, 6, 16, generator=g), torch.randn(1, 6, 16, generator=g)
+    lat = torch.randn(1, 3, 16, generator=g)
+    idx = torch.tensor([[[0, 1, 2]] * 6])
+
+    def out(shift: int, derotate: bool):
+        pos = torch.arange(6) + shift
+        qr, sr = csa2.rope(q, pos, 8, 1e4), csa2.rope(s, pos, 8, 1e4)
+        lr = csa2.rope(lat, torch.arange(3) * 2 + shift, 8, 1e4)
+        o = csa2.attend(qr, pos, sr, shift, 4, lr, idx)
+        return csa2.rope(o, -pos, 8, 1e4) if derotate else o
+
+    torch.testing.assert_close(out(0, True), out(37, True), atol=1e-5, rtol=0)
+    assert not torch.allclose(out(0, False), out(37, False), atol=1e-3)
+
+
+def test_attention_sink_takes_mass_and_adds_nothing():
+    g = torch.Generator().manual_seed(4)
+    q, s = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 5, 8, generator=g)
+    plain = csa2.attend(q, torch.arange(5), s, 0, 8, None, None)
+    torch.testing.assert_close(csa2.attend(q, torch.arange(5), s, 0, 8, None, None, torch.full((2,), float("-inf"))), plain)
+    sunk = csa2.attend(q, torch.arange(5), s, 0, 8, None, None, torch.tensor([40.0, float("-inf")]))
+    assert sunk[:, 0].abs().max() < 1e-6  # head 0 attends to its sink: nothing added
+    torch.testing.assert_close(sunk[:, 1], plain[:, 1])
+    model = V41ForCausalLM(preset("tiny-v41", attn_sink=True, derotate=True))
+    assert all(layer.attn.sinks is not None and not layer.attn.sinks.any() for layer in model.layers)
+    assert V41ForCausalLM(preset("tiny-v41")).layers[0].attn.sinks is None
+
+
+def test_swa_values_layers_hold_v_apart_and_double_their_swa_bytes(tiny_swa_values):
+    cfg = tiny_swa_values.config
+    plain = totals(preset("tiny-v41", n_win=16).layout())["swa_bytes_per_sequence"]
+    split = totals(cfg.layout())["swa_bytes_per_sequence"]
+    per_layer = plain / cfg.num_hidden_layers
+    assert split == plain + per_layer * cfg.layer_modes.count("swa")
+    cache = V41Cache(cfg)
+    with torch.no_grad():
+        tiny_swa_values(torch.randint(0, 512, (1, 24)), past_key_values=cache)
+    assert [layer.swa_v is not None for layer in cache.layers] == [m == "swa" for m in cfg.layer_modes]
+    with pytest.raises(ValueError, match="V rows"):
+        cache.layers[2].write_swa(torch.zeros(1, 1, cfg.latent_dim), 24, torch.zeros(1, 1, cfg.latent_dim))

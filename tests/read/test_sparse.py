@@ -8,7 +8,7 @@ from kvstrata.hf.run import forward, generate
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
 from kvstrata.read import TopK, reading
-from kvstrata.read.indexers import exact, hierarchical, lightning
+from kvstrata.read.indexers import exact, hierarchical, index_row_bytes, key_basis, lightning, lowrank
 
 IDS = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))
 
@@ -87,6 +87,11 @@ def test_indexers_shapes_and_lightning_form():
 def test_generate_with_sparse_reads(tiny_llama):
     g = generate(tiny_llama, byte_tokenizer(), IDS[:, :60], "topk:k=8,window=8+mxfp4", max_new_tokens=4)
     assert len(g.new_tokens) == 4
+    cache = CompressedCache(tiny_llama.config, parse_method("mxfp4"))
+    with reading(tiny_llama, cache, parse_method("topk:k=8,window=8+mxfp4")) as state:  # entered before prefill
+        forward(tiny_llama, IDS[:, :60], cache)
+        forward(tiny_llama, IDS[:, 60:61], cache)
+    assert state.rows(0)[0] > 0 and state.per_step()[0] > 0  # row sizes measured once the layers hold data
 
 
 def test_bad_read_specs():
@@ -104,3 +109,35 @@ def test_topk_overlap_matrix(tiny_llama):
     assert layers == [0, 1, 2, 3] and m.shape == (4, 4)
     assert torch.allclose(m.diagonal(), torch.ones(4))
     assert ((m >= 0) & (m <= 1)).all()
+
+
+def test_lowrank_index_finds_what_exact_finds_when_keys_are_low_rank():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 300, 16, generator=g) @ torch.randn(16, 64, generator=g)  # rank-16 keys
+    q = torch.randn(1, 4, 1, 64, generator=g)
+    basis = key_basis(k, 16)
+    eye = basis.transpose(-1, -2) @ basis
+    torch.testing.assert_close(eye, torch.eye(16).expand_as(eye), atol=1e-4, rtol=0)
+    top_exact = exact(q, k).topk(20, -1).indices
+    top_low = lowrank(q, k, basis).topk(20, -1).indices
+    for h in range(2):  # FP4 index keys may swap near-ties; the bulk of the top-20 agrees
+        assert len(set(top_exact[0, h].tolist()) & set(top_low[0, h].tolist())) >= 16
+    with pytest.raises(ValueError, match="rank"):
+        key_basis(k, 65)
+
+
+def test_lowrank_index_rows_are_nvfp4_of_rank_dims(tiny_llama):
+    assert index_row_bytes("lowrank", 64, 16, 128.0) == pytest.approx(9 + 4 / 256)  # 8 B codes + E4M3 scale
+    assert index_row_bytes("lightning", 64, 16, 128.0) == 34  # two MXFP4 blocks
+    assert index_row_bytes("exact", 64, 16, 128.0) == 128.0
+    _, state = decode(tiny_llama, "topk:k=12,window=16,indexer=lowrank,rank=16")
+    assert set(state.bases) == {0, 1, 2, 3}  # one basis per Full layer, fitted once
+    with pytest.raises(ValueError, match="multiple of 16"):
+        parse_method("topk:indexer=lowrank,rank=12")
+
+
+def test_sparse_reads_over_depth_shared_layers_count_the_shared_entry_size(tiny_llama):
+    _, plain = decode(tiny_llama, "topk:k=12,window=16")
+    _, shared = decode(tiny_llama, "depth:g=2,f=1,mode=shared+topk:k=12,window=16")
+    assert shared.row_bytes[0][0] < plain.row_bytes[0][0]
+    assert shared.per_step()[0] < plain.per_step()[0]

@@ -72,6 +72,8 @@ class V41LayerCache(CacheLayerMixin):
         q = cfg.quantize_cache
         self.owns = cfg.layer_modes[layer] == "full"
         self.swa = Store(cfg.swa_codec if q else None)
+        #: pure-SWA layers of a `swa_values` model hold V rows apart from their K rows
+        self.swa_v = Store(cfg.swa_codec if q else None) if cfg.separate_swa_v(layer) else None
         self.swa_pos0 = 0  # position of the first SWA row held
         self.latents = Store(cfg.global_codec if q else None)
         self.index_keys = Store(cfg.index_codec if q else None)
@@ -85,16 +87,24 @@ class V41LayerCache(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         raise TypeError("V4.1 cache layers are written by the V4.1 attention (write_swa / write_global), not update()")
 
-    def write_swa(self, x: torch.Tensor, pos0: int) -> None:
-        """Append SWA rows for positions `pos0 …`; rows before a gap (a bounded replay) are dropped."""
+    def write_swa(self, x: torch.Tensor, pos0: int, v: torch.Tensor | None = None) -> None:
+        """Append SWA rows (and V rows, when held apart) for positions `pos0 …`; rows before a gap
+        (a bounded replay) are dropped."""
+        if (v is None) != (self.swa_v is None):
+            raise ValueError("SWA V rows are written exactly when this layer holds them (pure-SWA layers of swa_values models)")
         if len(self.swa) == 0 or pos0 != self.swa_pos0 + len(self.swa):
             self.swa = Store(self.swa.spec)
+            self.swa_v = Store(self.swa.spec) if v is not None else None
             self.swa_pos0 = pos0
         self.swa.append(x)
+        if v is not None:
+            self.swa_v.append(v)
 
     def trim_swa(self) -> None:
         drop = max(0, len(self.swa) - self.window)
-        self.swa.keep_last(self.window)
+        for store in (self.swa, self.swa_v):
+            if store is not None:
+                store.keep_last(self.window)
         self.swa_pos0 += drop
 
     def get_seq_length(self) -> int:
@@ -108,7 +118,8 @@ class V41LayerCache(CacheLayerMixin):
 
     def nbytes(self) -> dict:
         pend = sum(t.numel() * t.element_size() for t in self.pending.values())
-        return {"swa": self.swa.nbytes, "global": self.latents.nbytes, "index": self.index_keys.nbytes, "pending": pend}
+        swa = self.swa.nbytes + (self.swa_v.nbytes if self.swa_v is not None else 0)
+        return {"swa": swa, "global": self.latents.nbytes, "index": self.index_keys.nbytes, "pending": pend}
 
 
 class V41Cache(Cache):

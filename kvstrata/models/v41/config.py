@@ -18,7 +18,12 @@ class V41Config(PretrainedConfig):
     layer L/2, so a prefill runs the encoder half plus those projections and replays only the
     last `n_win` prompt tokens through the decoder. Training attends every visible global entry
     (V3.2's dense warm-up: the indexer learns from the main attention by KL) unless
-    `train_sparse`; evaluation and inference read the top-k selection."""
+    `train_sparse`; evaluation and inference read the top-k selection. DeepSeek-V4's per-head learned
+    attention sink (`attn_sink`) and the rotation of the output's rope channels back by the query
+    position (`derotate`; K = V, so values carry RoPE) are available, off by default so that the
+    committed train-ref runs reproduce (turning them on did not change whether the tiny model learns).
+    `swa_values` (a deviation from V4.1, where K = V everywhere): pure-SWA layers project V apart
+    from K; the tiny model's pure-SWA bottom layers only learn recall with it."""
 
     model_type = "kvstrata_v41"
 
@@ -28,7 +33,8 @@ class V41Config(PretrainedConfig):
                  hier_blocks: int = 4, layer_modes: list[str] | None = None, compress: list[int] | None = None,
                  ced: bool = True, n_win: int | None = None, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
                  global_codec: str = "nvfp4:tensor_scale=0", swa_codec: str = "fp8", index_codec: str = "mxfp4",
-                 quantize_cache: bool = True, train_sparse: bool = False, tie_word_embeddings: bool = True, **kwargs):
+                 quantize_cache: bool = True, train_sparse: bool = False, attn_sink: bool = False, derotate: bool = False,
+                 swa_values: bool = False, tie_word_embeddings: bool = True, **kwargs):
         if layer_modes is None:
             layer_modes, compress = (list(x) for x in v41_modes(8))
         compress = list(compress) if compress is not None else [0 if m == "swa" else 1 for m in layer_modes]
@@ -48,6 +54,7 @@ class V41Config(PretrainedConfig):
         self.global_codec, self.swa_codec, self.index_codec = global_codec, swa_codec, index_codec
         self.quantize_cache = quantize_cache
         self.train_sparse = train_sparse
+        self.attn_sink, self.derotate, self.swa_values = attn_sink, derotate, swa_values
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property
@@ -58,6 +65,10 @@ class V41Config(PretrainedConfig):
     def source(self, layer: int) -> int | None:
         """Layer whose latent (and index keys) a Reindex / Reuse layer reads."""
         return _source(tuple(self.layer_modes), layer)
+
+    def separate_swa_v(self, layer: int) -> bool:
+        """Whether `layer` holds SWA V rows apart from its K rows (pure-SWA layers of `swa_values` models)."""
+        return self.swa_values and self.layer_modes[layer] == "swa"
 
     def hierarchical(self, layer: int) -> bool:
         """Decoder Full layers select block-first; Reindex layers re-score their candidates."""
@@ -70,7 +81,7 @@ class V41Config(PretrainedConfig):
                          index_dim=self.index_dim, index_heads=self.index_heads, topk=self.index_topk,
                          modes=tuple(self.layer_modes), m=tuple(self.compress),
                          main_entry=((self.global_codec, self.latent_dim),), index_entry=((self.index_codec, self.index_dim),),
-                         swa_entry=((self.swa_codec, self.latent_dim),))
+                         swa_entry=((self.swa_codec, self.latent_dim),), swa_values=self.swa_values)
 
 
 def preset(name: str, **overrides) -> V41Config:

@@ -87,10 +87,13 @@ def rescore(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, swa: torch.Tensor, swa_pos0: int, window: int,
-           latents: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor:
+           latents: torch.Tensor | None, idx: torch.Tensor | None, sinks: torch.Tensor | None = None,
+           swa_v: torch.Tensor | None = None) -> torch.Tensor:
     """One softmax over each query's SWA window (keys = values, `swa: [B, P, D]` holding positions
-    `swa_pos0 …`; query t reads positions `[max(swa_pos0, t - window + 1), t]`) and its selected
-    global entries (`latents: [B, S, D]`, K = V; `idx: [B, T, k]`, -1 unread).
+    `swa_pos0 …`; query t reads positions `[max(swa_pos0, t - window + 1), t]`), its selected
+    global entries (`latents: [B, S, D]`, K = V; `idx: [B, T, k]`, -1 unread) and, with `sinks: [H]`,
+    one learned per-head logit that takes probability mass and adds nothing (V4's attention sink:
+    a head may attend to nothing). `swa_v` (same layout as `swa`): values held apart from the SWA keys.
     `q: [B, H, T, D]` -> `[B, H, T, D]`."""
     b, h, t, d = q.shape
     scale = d ** -0.5
@@ -101,13 +104,17 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, swa: torch.Tensor, swa_pos0: in
     wk = swa[:, wi]  # [B, T, W, D]
     logits = torch.einsum("bhtd,btwd->bhtw", q.float(), wk.float()) * scale
     logits = logits.masked_fill(~wok[None, None], NEG)
-    vals = [wk]
+    vals = [wk if swa_v is None else swa_v[:, wi]]
     if latents is not None and idx is not None and idx.shape[-1] and latents.shape[1]:
         gk = latents[torch.arange(b)[:, None, None], idx.clamp(min=0)]  # [B, T, k, D]
         gl = torch.einsum("bhtd,btkd->bhtk", q.float(), gk.float()) * scale
         logits = torch.cat([logits, gl.masked_fill((idx < 0)[:, None], NEG)], dim=-1)
         vals.append(gk)
-    p = logits.softmax(-1)
+    if sinks is not None:
+        sink = sinks.float()[None, :, None, None].expand(b, h, t, 1)
+        p = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        p = logits.softmax(-1)
     v = torch.cat(vals, dim=2).float()  # [B, T, W + k, D]
     return torch.einsum("bhtn,btnd->bhtd", p, v).to(q.dtype)
 

@@ -33,6 +33,8 @@ class V41Attention(nn.Module):
         h, d, nh = cfg.hidden_size, cfg.latent_dim, cfg.num_attention_heads
         self.q_proj, self.o_proj = _linear(h, nh * d), _linear(nh * d, h)
         self.swa_proj, self.swa_norm = _linear(h, d), DeepseekV4RMSNorm(d, cfg.rms_norm_eps)
+        self.sinks = nn.Parameter(torch.zeros(nh)) if cfg.attn_sink else None
+        self.swa_v_proj = _linear(h, d) if cfg.separate_swa_v(layer) else None
         if self.mode == "full":
             self.global_norm = DeepseekV4RMSNorm(h, cfg.rms_norm_eps)
             self.kv_proj, self.kv_norm = _linear(h, d), DeepseekV4RMSNorm(d, cfg.rms_norm_eps)
@@ -108,16 +110,20 @@ class V41Attention(nn.Module):
                 self.write_global(h_src, store, ctx)
             self.select(x, pos, ctx, ctxs.get(cfg.source(self.layer)))
         s = csa2.rope(self.swa_norm(self.swa_proj(x)), pos, cfg.rope_dim, cfg.rope_theta)
+        v = self.swa_v_proj(x) if self.swa_v_proj is not None else None
         if store is not None:
-            store.write_swa(s, int(pos[0]))
+            store.write_swa(s, int(pos[0]), v)
             swa, pos0 = store.swa.read(s.dtype), store.swa_pos0
+            v = store.swa_v.read(s.dtype) if v is not None else None
         else:
             swa, pos0 = s, int(pos[0])
         q = csa2.rope(self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.latent_dim).transpose(1, 2),
                       pos, cfg.rope_dim, cfg.rope_theta)
         if "index_scores" in ctx:
             ctxs.setdefault("index_losses", []).append(csa2.index_loss(q, ctx["lat"], ctx.pop("index_scores")))
-        out = csa2.attend(q, pos, swa, pos0, cfg.sliding_window, ctx.get("lat"), ctx.get("idx"))
+        out = csa2.attend(q, pos, swa, pos0, cfg.sliding_window, ctx.get("lat"), ctx.get("idx"), self.sinks, v)
+        if cfg.derotate and self.swa_v_proj is None:  # K = V: values carry RoPE; rotate back by the query position
+            out = csa2.rope(out, -pos, cfg.rope_dim, cfg.rope_theta)
         if store is not None:
             store.trim_swa()
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -155,6 +161,8 @@ class V41ForCausalLM(PreTrainedModel, GenerationMixin):
             nn.init.normal_(module.weight, std=0.02)
         elif isinstance(module, DeepseekV4RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, V41Attention) and module.sinks is not None:
+            nn.init.zeros_(module.sinks)
 
     def get_input_embeddings(self):
         return self.embed
