@@ -58,6 +58,7 @@ def summarise(rows: list[dict]) -> dict:
             methods[m] = {
                 "family": mr[0]["family"],
                 "n": min(_count(mr, t) for t in {r["task"] for r in mr}),
+                "n_max": max(_count(mr, t) for t in {r["task"] for r in mr}),
                 "kv_bytes_per_token": _avg([r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY] or
                                            [r["kv_bytes_per_token"] for r in mr]),
                 "compression": _avg([r["compression"] for r in mr]),
@@ -85,7 +86,7 @@ def _reference_subsets(rs: list[dict], ref: list[dict]) -> list[dict]:
     method is read against the reference on its own instances."""
     if not ref:
         return []
-    full = min(_count(ref, t) for t in {r["task"] for r in ref})
+    full = max(_count(ref, t) for t in {r["task"] for r in ref})
     fewer = {min(_count(mr, t) for t in {r["task"] for r in mr})
              for m in {r["method"] for r in rs} for mr in [[r for r in rs if r["method"] == m]]}
     return [dict(r, method=f"bf16 (first {n})") for n in sorted(k for k in fewer if k < full) for r in ref if r["index"] < n]
@@ -108,8 +109,8 @@ def markdown(summary: dict) -> str:
         if unusable:
             lines.append(f"Tasks the uncompressed `bf16` reference scores below {USABLE:.0%} on (beyond this model; "
                          f"shown, not used to rank): {', '.join(unusable)}.\n")
-        lines.append("`n` = instances per task (the first n; `bf16 (first n)` is the reference on those same "
-                     f"instances). Failures (`fail: retr / reas`) count questions over the tasks every method here "
+        lines.append("`n` = instances per task (the first n, a range when tasks differ; `bf16 (first n)` is the "
+                     f"reference on those same instances). Failures (`fail: retr / reas`) count questions over the tasks every method here "
                      f"ran: {', '.join(s['common'])}. `–` = not run.\n")
         head = ["method", "family", "n", "B/token", "× smaller", "retrieval"] + tasks + \
                ["fail: retr / reas", "KL", "top-1", "Δppl", "B read/step", "prefill s", "decode s/tok", "peak RSS MB"]
@@ -117,7 +118,8 @@ def markdown(summary: dict) -> str:
         lines.append("|" + "---|" * len(head))
         order = sorted(s["methods"].items(), key=lambda kv: -kv[1]["kv_bytes_per_token"])
         for m, r in order:
-            cells = [f"`{m}`", r["family"], str(r["n"]), _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]),
+            n = str(r["n"]) if r["n"] == r["n_max"] else f"{r['n']}–{r['n_max']}"
+            cells = [f"`{m}`", r["family"], n, _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]),
                      _f(r["retrieval"])]
             cells += [_f(r["per_task"][t]) for t in tasks]
             cells += [f"{r['fail_retrieval']} / {r['fail_reasoning']}", _f(r["kl"], "{:.4f}"), _f(r["top1"]),
