@@ -57,8 +57,8 @@ def summarise(rows: list[dict]) -> dict:
             fid = [r for r in mr if r["task"] in FIDELITY]
             methods[m] = {
                 "family": mr[0]["family"],
-                "n": min(_count(mr, t) for t in {r["task"] for r in mr}),
-                "n_max": max(_count(mr, t) for t in {r["task"] for r in mr}),
+                "n": min(_counts(mr)),
+                "n_max": max(_counts(mr)),
                 "kv_bytes_per_token": _avg([r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY] or
                                            [r["kv_bytes_per_token"] for r in mr]),
                 "compression": _avg([r["compression"] for r in mr]),
@@ -86,14 +86,21 @@ def _reference_subsets(rs: list[dict], ref: list[dict]) -> list[dict]:
     method is read against the reference on its own instances."""
     if not ref:
         return []
-    full = max(_count(ref, t) for t in {r["task"] for r in ref})
-    fewer = {min(_count(mr, t) for t in {r["task"] for r in mr})
-             for m in {r["method"] for r in rs} for mr in [[r for r in rs if r["method"] == m]]}
+    full = max(_counts(ref))
+    by_method = defaultdict(list)
+    for r in rs:
+        by_method[r["method"]].append(r)
+    fewer = {min(_counts(mr)) for mr in by_method.values()}
     return [dict(r, method=f"bf16 (first {n})") for n in sorted(k for k in fewer if k < full) for r in ref if r["index"] < n]
 
 
 def _count(rs, task):
     return len({r["index"] for r in rs if r["task"] == task})
+
+
+def _counts(rs) -> list[int]:
+    """Instances per task, over the tasks `rs` covers."""
+    return [_count(rs, t) for t in {r["task"] for r in rs}]
 
 
 def _f(v, fmt="{:.2f}"):
@@ -225,15 +232,15 @@ def _img(path: Path) -> str:
     return f'<img src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}" style="max-width:100%">'
 
 
-def _html(intro: str, table_md: str, pngs: list[Path], out: Path) -> str:
+def _html(intro: str, table_md: str, pngs: list[Path], base: Path) -> str:
     """One self-contained page: tables as HTML, every plot (main and sections') embedded."""
     body = [f"<p>{html.escape(line)}</p>" for line in intro.splitlines() if line.strip() and not line.startswith("#")]
     rows_html = []
     lines = table_md.splitlines()
     for i, line in enumerate(lines):
         image = re.fullmatch(r"!\[[^\]]*\]\(([^)]+)\)", line.strip())
-        if image and (out / image[1]).is_file():
-            rows_html.append(_img(out / image[1]))
+        if image and (base / image[1]).is_file():
+            rows_html.append(_img(base / image[1]))
         elif line.startswith("#"):
             rows_html.append(f"<h3>{html.escape(line.lstrip('#').strip())}</h3>")
         elif line.startswith("|") and "---" not in line:
