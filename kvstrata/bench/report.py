@@ -55,10 +55,11 @@ def summarise(rows: list[dict]) -> dict:
             per_task = {t: _avg([r["score"] for r in mr if r["task"] == t]) for t in tasks}
             ranked = [per_task[t] for t in tasks if t in RETRIEVAL and usable.get(t)]
             fid = [r for r in mr if r["task"] in FIDELITY]
+            counts = _counts(mr)
             methods[m] = {
                 "family": mr[0]["family"],
-                "n": min(_counts(mr)),
-                "n_max": max(_counts(mr)),
+                "n": min(counts),
+                "n_max": max(counts),
                 "kv_bytes_per_token": _avg([r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY] or
                                            [r["kv_bytes_per_token"] for r in mr]),
                 "compression": _avg([r["compression"] for r in mr]),
