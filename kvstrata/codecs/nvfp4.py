@@ -22,23 +22,30 @@ NV_BLOCK = 16
 TENSOR_SCALE_FLOOR = 2.0**-100
 
 
+def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor scale NVFP4 picks for a tensor whose largest magnitude is `amax`: below 2^-100
+    the scale would be subnormal (inexact arithmetic), so such a tensor keeps 1, its blocks' E4M3
+    scales underflow and it encodes as zeros."""
+    wanted = amax.float() / (E4M3_MAX * E2M1_MAX)
+    return torch.where(wanted >= TENSOR_SCALE_FLOOR, wanted, torch.ones_like(wanted)).reshape(())
+
+
 @dataclass(frozen=True)
 class NVFP4:
     tensor_scale: bool = True
     name: ClassVar[str] = "nvfp4"
     summary: ClassVar[str] = "NVFP4: E2M1 + one E4M3 scale per 16 elements (+ fp32 tensor scale), 4.5 bits"
 
-    def encode(self, x: torch.Tensor) -> QTensor:
+    def encode(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QTensor:
+        """`scale`: a tensor scale to use instead of this tensor's own (parts of one tensor encoded
+        apart, with the whole tensor's `tensor_scale(amax)`, encode exactly as the whole does)."""
         check_finite(x, self.name)
         b = to_blocks(x, NV_BLOCK)
         amax_block = b.abs().amax(-1)
         ts = torch.ones((), dtype=torch.float32, device=x.device)
         if self.tensor_scale:
             amax = amax_block.amax() if amax_block.numel() else ts.new_zeros(())
-            # below 2^-100 the scale would be subnormal (inexact arithmetic): such a tensor keeps
-            # tensor_scale 1, so its blocks' E4M3 scales underflow and it encodes as zeros
-            wanted = amax / (E4M3_MAX * E2M1_MAX)
-            ts = torch.where(wanted >= TENSOR_SCALE_FLOOR, wanted, ts).reshape(())
+            ts = tensor_scale(amax) if scale is None else scale.float().reshape(())
         block_scale = (amax_block / E2M1_MAX / ts).to(torch.float8_e4m3fn)
         eff = block_scale.float() * ts
         scaled = torch.where(eff[..., None] > 0, b / eff.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)

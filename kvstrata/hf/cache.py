@@ -29,6 +29,8 @@ class CompressedLayer(CacheLayerMixin):
         self.segments: list[Segment] = []
         self.cumulative_length = 0
         self.known_until = 0  # positions below this are already held (bounded replay): not appended again
+        self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
+        self.read_prefix = (0, 0)  # (generation, n): the last update's K/V began with n rows from encoded storage
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -50,6 +52,7 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         first = self.cumulative_length == 0
         past_k, past_v = self.dense()
+        self.read_prefix = (self.generation, past_k.shape[-2] - self.keys.shape[-2])
         skip = self._known(key_states.shape[-2])
         self.cumulative_length += key_states.shape[-2]
         key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
@@ -69,6 +72,7 @@ class CompressedLayer(CacheLayerMixin):
         if self.cumulative_length:
             raise RuntimeError("load_prefill needs an empty layer")
         self.lazy_initialization(keys, values)
+        self.generation += 1
         self.cumulative_length = seen
         self.keys, self.values = keys, values
         self._keep(scores)
@@ -139,6 +143,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_sliding:
             self.known_until = self.cumulative_length
         self.cumulative_length = position
+        self.generation += 1
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -151,11 +156,13 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
+        self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("CompressedCache cannot be cropped: encoded tokens cannot be rolled back exactly")
 
     def _map_batch(self, fn) -> None:
+        self.generation += 1
         for seg in self.segments:
             for q in (seg.keys, seg.values):
                 q.parts = {k: (t if k == "tensor_scale" else fn(t)) for k, t in q.parts.items()}
@@ -184,6 +191,8 @@ class CompressedSlidingLayer(CompressedLayer):
 
     def _trim(self) -> None:
         excess = self.stored_tokens() - (self.sliding_window - 1)
+        if excess > 0 and self.segments:
+            self.generation += 1
         while excess > 0 and self.segments:
             seg = self.segments[0]
             kept = drop_front(self.recipe, seg, excess)

@@ -107,6 +107,8 @@ class DepthLayer(CompressedLayer):
     def reset(self) -> None:
         super().reset()
         self.group.blocks, self.group.state = [], {}
+        for member in self.group.members:  # every member's encoded rows are gone
+            member.generation += 1
 
     def _map_batch(self, fn) -> None:
         raise NotImplementedError("depth-shared caches do not support beam search or batch reordering yet")

@@ -7,13 +7,16 @@
 - lowrank: the exact form on `rank`-dim index keys: K and q projected onto the top principal
   directions of the layer's prefilled keys (per KV head, fixed at the first sparse step; the
   Loki observation that attention keys are low-rank), index keys held in NVFP4.
+Each splits into `index_rows` (per key row, so a decode loop computes a row once and keeps it)
+and `score` (per query).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvstrata.codecs import quantize
+from kvstrata.codecs import get_codec, quantize
+from kvstrata.codecs.nvfp4 import tensor_scale
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -21,14 +24,6 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     b, hq, _, d = q.shape
     hk = k.shape[1]
     return torch.einsum("bgqd,bgnd->bgqn", q[:, :, 0].reshape(b, hk, hq // hk, d).float(), k.float())
-
-
-def exact(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    return _grouped(q, k).amax(2)
-
-
-def lightning(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    return _grouped(q, quantize(k.float(), "mxfp4").dequantize()).relu().sum(2)
 
 
 def key_basis(k: torch.Tensor, rank: int) -> torch.Tensor:
@@ -41,12 +36,51 @@ def key_basis(k: torch.Tensor, rank: int) -> torch.Tensor:
     return vecs[..., -rank:].flip(-1)
 
 
-def lowrank(q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+def index_rows(indexer: str, k: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-row part of an indexer, `[b, kv_heads, n, d or rank]`: each key row maps to its index
+    row alone, so rows computed once stay valid while the key rows they came from are unchanged."""
+    if indexer == "exact":
+        return k.float()
+    if indexer == "lightning":  # MXFP4 blocks lie along the row: row-independent
+        return quantize(k.float(), "mxfp4").dequantize() if k.shape[-2] else k.float()
+    return k.float() @ basis
+
+
+def rows_scale(indexer: str, rows: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor scale a set of index rows is held under (lowrank: NVFP4's), else None."""
+    return tensor_scale(rows.abs().amax()) if indexer == "lowrank" and rows.numel() else None
+
+
+def held(indexer: str, rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Index rows as the index holds them: lowrank rows in NVFP4 under `scale` (their own when None;
+    rows held apart under one scale equal the rows held together), other indexers' as they are."""
+    if indexer != "lowrank" or not rows.shape[-2]:
+        return rows
+    return get_codec("nvfp4").encode(rows, scale).dequantize()
+
+
+def score(indexer: str, q: torch.Tensor, rows: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores `[b, kv_heads, n]` of index rows (`held(index_rows(...))`) for the decode query `q`."""
+    if indexer == "exact":
+        return _grouped(q, rows).amax(2)
+    if indexer == "lightning":
+        return _grouped(q, rows).relu().sum(2)
     b, hq, _, d = q.shape
-    hk = k.shape[1]
+    hk = rows.shape[1]
     qp = q[:, :, 0].reshape(b, hk, hq // hk, d).float() @ basis  # [b, kv_heads, q_per_kv, rank]
-    kp = quantize(k.float() @ basis, "nvfp4").dequantize()
-    return _grouped(qp.reshape(b, hq, 1, -1), kp).amax(2)
+    return _grouped(qp.reshape(b, hq, 1, -1), rows).amax(2)
+
+
+def exact(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return score("exact", q, index_rows("exact", k))
+
+
+def lightning(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return score("lightning", q, index_rows("lightning", k))
+
+
+def lowrank(q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    return score("lowrank", q, held("lowrank", index_rows("lowrank", k, basis)), basis)
 
 
 def index_row_bytes(indexer: str, d: int, rank: int, k_row: float) -> float:

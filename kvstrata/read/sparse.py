@@ -22,7 +22,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvstrata.read.indexers import INDEXERS, hierarchical, index_row_bytes, key_basis
+from kvstrata.read.indexers import INDEXERS, held, hierarchical, index_row_bytes, index_rows, key_basis, rows_scale, score
 
 NAME = "kvstrata_sparse"
 
@@ -67,6 +67,8 @@ class ReadState:
     source: dict[str, torch.Tensor] = field(default_factory=dict)  # the current Full layer's picks
     picked: dict[int, torch.Tensor] = field(default_factory=dict)  # last step's positions per layer
     bases: dict[int, torch.Tensor] = field(default_factory=dict)  # lowrank indexer: per-layer key basis
+    index: dict[int, tuple] = field(default_factory=dict)  # layer -> (generation, rows kept, index rows)
+    held: dict[int, tuple] = field(default_factory=dict)  # lowrank: layer -> ((generation, scale), rows kept, NVFP4 rows)
     bytes_read: float = 0.0  # index rows scanned + entries gathered, all decode steps
     dense_bytes: float = 0.0  # what dense attention would have read
     steps_seen: int = 0  # Full-layer calls (first layer per step counts one step per Full layer)
@@ -101,14 +103,38 @@ def _attend(q, k, v, scaling, mask=None):
     return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
 
 
-def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The layer's indexer scores of `k` (all cached keys, or a Reindex layer's candidates) for `q`;
-    a lowrank basis is fitted once per layer from `keys`, the whole cache at the first sparse step."""
-    if state.cfg.indexer != "lowrank":
-        return INDEXERS[state.cfg.indexer](q, k)
-    if layer not in state.bases:
-        state.bases[layer] = key_basis(keys, state.cfg.rank)
-    return INDEXERS["lowrank"](q, k, state.bases[layer])
+def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> torch.Tensor:
+    """`fn` over every row of `src`. `fn` acts row by row, so its rows below `stable` are kept in
+    `kept[layer]` and reused while `tag` holds (None: keep nothing); later rows are recomputed."""
+    entry = kept.get(layer)
+    if tag is None or entry is None or entry[0] != tag or entry[1] > stable:
+        entry = (tag, 0, fn(src[..., :0, :]))
+    rows = torch.cat([entry[2], fn(src[..., entry[1] : stable, :])], -2)
+    if tag is not None:
+        kept[layer] = (tag, stable, rows)
+    return torch.cat([rows, fn(src[..., stable:, :])], -2)
+
+
+def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's indexer scores for `q` of every cached key, or of the candidate positions `cand`.
+    Index rows of keys the layer read from encoded storage never change while its generation holds:
+    they are computed once (and, for lowrank, rounded to NVFP4 once while the tensor scale holds)."""
+    cfg = state.cfg
+    if cfg.indexer == "lowrank" and layer not in state.bases:
+        state.bases[layer] = key_basis(k, cfg.rank)  # fitted once, from the whole cache at the first sparse step
+    basis = state.bases.get(layer)
+    generation, stable = getattr(state.layers[layer], "read_prefix", (None, 0))
+    if cfg.indexer == "exact":  # the keys themselves: nothing to keep
+        rows = k.float()
+    else:
+        rows = _extend(state.index, layer, generation, stable, lambda x: index_rows(cfg.indexer, x, basis), k)
+    if cand is not None:  # a subset is held under its own scale
+        return score(cfg.indexer, q, held(cfg.indexer, rows.gather(2, cand[..., None].expand(-1, -1, -1, rows.shape[-1]))), basis)
+    scale = rows_scale(cfg.indexer, rows)
+    if scale is not None:
+        tag = None if generation is None else (generation, scale.item())
+        rows = _extend(state.held, layer, tag, stable, lambda x: held(cfg.indexer, x, scale), rows)
+    return score(cfg.indexer, q, rows, basis)
 
 
 def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -126,14 +152,14 @@ def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> to
             top = free.nonzero()[:, 0].expand(b, heads, middle)
             cand = top
         else:
-            scores = _scores(state, layer, q, k, k).masked_fill(~free, float("-inf"))
+            scores = _scores(state, layer, q, k).masked_fill(~free, float("-inf"))
             state.bytes_read += n * heads * ib
             top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
             cand = scores.topk(min(4 * cfg.k, middle), -1).indices
         state.source = {"top": top, "cand": cand}
     elif mode == "R":
         cand = state.source["cand"]
-        sub = _scores(state, layer, q, k.gather(2, cand[..., None].expand(-1, -1, -1, k.shape[-1])), k)
+        sub = _scores(state, layer, q, k, cand)
         state.bytes_read += cand.shape[-1] * heads * ib
         top = cand.gather(-1, sub.topk(min(cfg.k, cand.shape[-1]), -1).indices)
     else:

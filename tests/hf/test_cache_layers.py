@@ -94,3 +94,40 @@ def test_cache_cannot_be_cropped_silently(tiny_llama):
     forward(tiny_llama, torch.randint(0, 256, (1, 10)), cache)
     with pytest.raises(NotImplementedError):
         cache.crop(-2)
+
+
+@pytest.mark.parametrize("spec", ["int2:group=8,r=4", "nvfp4:r=3", "bf16"])
+def test_read_prefix_rows_never_change_within_a_generation(spec):
+    """The contract the sparse reader's index cache relies on: the rows an update reports as coming
+    from encoded storage are returned bit-identical by every later update of the same generation."""
+    layer = CompressedLayer(parse_method(spec).full)
+    k, v = kv(60)
+    seen = []
+    for a, b in [(0, 30)] + [(i, i + 1) for i in range(30, 60)]:
+        rk, _ = layer.update(k[..., a:b, :], v[..., a:b, :])
+        gen, n = layer.read_prefix
+        for old_gen, old_n, old_k in seen:
+            if old_gen == gen:
+                assert torch.equal(rk[..., :old_n, :], old_k[..., :old_n, :])
+        seen.append((gen, n, rk))
+    assert seen[-1][1] > seen[1][1]  # encoded storage grew during decoding (not a vacuous check)
+
+
+def test_rewrites_bump_the_generation(tiny_llama):
+    layer = CompressedLayer(parse_method("int4:r=0").full)
+    k, v = kv(16)
+    layer.update(k, v)
+    before = layer.generation
+    layer.reorder_cache(torch.tensor([0]))
+    assert layer.generation > before
+    before = layer.generation
+    layer.reset()
+    assert layer.generation > before
+    before = layer.generation
+    layer.load_prefill(k, v, 16)
+    assert layer.generation > before
+    sliding = CompressedSlidingLayer(parse_method("nvfp4:r=0").full, sliding_window=8)
+    sliding.update(k[..., :7, :], v[..., :7, :])
+    before = sliding.generation
+    sliding.update(k[..., 7:9, :], v[..., 7:9, :])  # the window drops encoded rows
+    assert sliding.generation > before

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from kvstrata.hf import CompressedCache
+from kvstrata.hf.cache import CompressedLayer
 from kvstrata.hf.run import forward, generate
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
 from kvstrata.read import TopK, reading
-from kvstrata.read.indexers import exact, hierarchical, index_row_bytes, key_basis, lightning, lowrank
+from kvstrata.read.indexers import exact, held, hierarchical, index_row_bytes, index_rows, key_basis, lightning, lowrank
 
 IDS = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))
 
@@ -141,3 +142,26 @@ def test_sparse_reads_over_depth_shared_layers_count_the_shared_entry_size(tiny_
     _, shared = decode(tiny_llama, "depth:g=2,f=1,mode=shared+topk:k=12,window=16")
     assert shared.row_bytes[0][0] < plain.row_bytes[0][0]
     assert shared.per_step()[0] < plain.per_step()[0]
+
+
+@pytest.mark.parametrize("spec", ["topk:k=12,window=2,indexer=lightning+nvfp4:r=8", "topk:k=12,window=2,indexer=lowrank,rank=16+nvfp4:r=6",
+                                  "depth:g=2,f=1,r=0.05,block=4+topk:k=12,window=2,indexer=lightning"])
+def test_kept_index_rows_read_like_index_rows_computed_afresh(tiny_llama, monkeypatch, spec):
+    """Index rows kept across decode steps select what rows recomputed every step select."""
+    out, state = decode(tiny_llama, spec)
+    assert all(rows > 0 for _, rows, _ in state.index.values())  # rows were kept (not a vacuous check)
+    for layer, (_, rows, kept) in state.index.items():  # each kept row is the index row of the key held now
+        keys = state.layers[layer].dense()[0][..., :rows, :]
+        torch.testing.assert_close(kept, index_rows(state.cfg.indexer, keys, state.bases.get(layer)), atol=1e-5, rtol=0)
+    assert bool(state.held) == (state.cfg.indexer == "lowrank")
+    for layer, ((_, scale), rows, kept) in state.held.items():  # NVFP4 rows kept under the scale they were held at
+        index = index_rows("lowrank", state.layers[layer].dense()[0][..., :rows, :], state.bases[layer])
+        torch.testing.assert_close(kept, held("lowrank", index, torch.tensor(scale)), atol=1e-5, rtol=0)
+    monkeypatch.setattr(CompressedLayer, "read_prefix", property(lambda self: (None, 0), lambda self, v: None),
+                        raising=False)
+    fresh, fresh_state = decode(tiny_llama, spec)
+    assert not fresh_state.index
+    for layer, idx in state.picked.items():
+        assert torch.equal(idx, fresh_state.picked[layer])
+    torch.testing.assert_close(out, fresh, atol=1e-5, rtol=0)
+    assert state.bytes_read == fresh_state.bytes_read
