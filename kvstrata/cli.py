@@ -92,6 +92,7 @@ def _cmd_bench(args) -> int:
     from kvstrata.bench.report import write_report
     from kvstrata.bench.runner import DEFAULT_METHODS, QUICK, BenchConfig, run
     from kvstrata.bench.tasks import TASKS
+    from kvstrata.models.loader import check as check_model
     from kvstrata.methods import parse_method
 
     from kvstrata.bench.peers import DEFAULT_PEERS, parse_peer
@@ -107,11 +108,12 @@ def _cmd_bench(args) -> int:
     for p in peers:
         parse_peer(p)
     models = _csv(args.model) if args.model else q.get("models", ("smollm2-135m",))
-    lengths = tuple(int(x) for x in _csv(args.lengths)) if args.lengths else q.get("lengths", (2048,))
+    lengths = tuple(_length(x, "--lengths") for x in _csv(args.lengths)) if args.lengths else q.get("lengths", (2048,))
     pairs = []  # model@L1/L2 picks lengths per model
     for m in models:
         name, _, own = m.partition("@")
-        pairs += [(name, int(x)) for x in own.split("/")] if own else [(name, L) for L in lengths]
+        check_model(name)  # fail before any model loads
+        pairs += [(name, _length(x, f"--model {m}")) for x in own.split("/")] if own else [(name, L) for L in lengths]
     cfg = BenchConfig(
         models=tuple(p[0] for p in pairs),
         lengths=lengths,
@@ -128,6 +130,17 @@ def _cmd_bench(args) -> int:
     print(f"results: {path}")
     print(f"report:  {write_report(cfg.out)}")
     return 0
+
+
+def _length(text: str, where: str) -> int:
+    """A context length in tokens, or a clear error naming where it came from."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{where}: context length {text!r} is not a positive whole number of tokens")
+    return n
 
 
 def _split_methods(text: str) -> list[str]:

@@ -33,6 +33,22 @@ def test_bad_method_fails_before_loading(capsys):
     assert "unknown method 'fp5'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "nosuch@2048"], "'nosuch' is neither a known model"),
+    (["--model", "smollm2-135m@2k"], "--model smollm2-135m@2k: context length '2k'"),
+    (["--lengths", "2048,-1"], "--lengths: context length '-1'"),
+])
+def test_bench_refuses_bad_models_and_lengths_before_it_starts(tmp_path, capsys, argv, words):
+    assert main(["bench", *argv, "--out", str(tmp_path / "run")]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_report_on_a_directory_without_results_says_so(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds no benchmark results" in capsys.readouterr().err
+
+
 def test_methods_and_models_list(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out

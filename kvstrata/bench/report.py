@@ -19,8 +19,11 @@ USABLE = 0.5  # a task the uncompressed reference scores below this on is not us
 
 
 def load_rows(out: Path) -> list[dict]:
+    path = out / "results.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{out} holds no benchmark results ({path.name} is missing): run `kvstrata bench --out {out}` first")
     rows = []
-    for line in (out / "results.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

@@ -65,21 +65,24 @@ def _convert(name: str) -> Path:
     return target
 
 
+def check(name_or_path: str) -> None:
+    """Raise a clear error unless `name_or_path` is a known model or a local model directory
+    (cheap: converts nothing, so a long run can check its models before it starts)."""
+    if name_or_path.lower() in KNOWN_MODELS or (Path(name_or_path).expanduser() / "config.json").exists():
+        return
+    raise FileNotFoundError(
+        f"{name_or_path!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a local model directory with config.json"
+    )
+
+
 def resolve(name_or_path: str) -> Path:
     """Directory to load from: a converted known model (converting on first use) or a local dir."""
+    check(name_or_path)
     key = name_or_path.lower()
-    if key in KNOWN_MODELS:
-        path = converted_path(key)
-        if not (path / COMPLETE_MARK).exists():
-            path = _convert(key)
-        return path
-    path = Path(name_or_path).expanduser()
-    if not (path / "config.json").exists():
-        known = ", ".join(KNOWN_MODELS)
-        raise FileNotFoundError(
-            f"{name_or_path!r} is neither a known model ({known}) nor a local model directory with config.json"
-        )
-    return path
+    if key not in KNOWN_MODELS:
+        return Path(name_or_path).expanduser()
+    path = converted_path(key)
+    return path if (path / COMPLETE_MARK).exists() else _convert(key)
 
 
 def load(name_or_path: str, dtype: torch.dtype = torch.float32):
