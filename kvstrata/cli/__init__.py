@@ -1,0 +1,141 @@
+"""`kvstrata` command line: the parser and entry point; `commands` holds what each subcommand does."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvstrata.cli import commands as c
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate with a compressed KV cache")
+    g.add_argument("--model", required=True, help="smollm2-135m, gemma3-270m, or a local model directory")
+    g.add_argument("--method", default="bf16", help="method spec, e.g. nvfp4:r=64 or nvfp4;sliding=fp8")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=c.cmd_generate)
+
+    pk = sub.add_parser("passkey", help="answer a long-context passkey prompt through compressed caches")
+    pk.add_argument("--model", required=True)
+    pk.add_argument("--methods", default="bf16|nvfp4|mxfp4", help="'|'-separated method specs")
+    pk.add_argument("--tokens", type=int, default=4000)
+    pk.add_argument("--depth", type=float, default=0.5)
+    pk.add_argument("--seed", type=int, default=0)
+    pk.set_defaults(func=c.cmd_passkey)
+
+    b = sub.add_parser("bench", help="run the benchmark (resumable) and write its report")
+    b.add_argument("--model", help="comma-separated models, each optionally @L1/L2 for its own lengths "
+                   "(e.g. smollm2-135m@2048/4096,gemma3-270m@4096; default smollm2-135m)")
+    b.add_argument("--methods", help="comma-separated method specs (default: the first table's methods; "
+                   "'none' to run only --peers)")
+    b.add_argument("--peers", help="comma-separated peer specs run on the same instances, or 'default': "
+                   "kvpress:<press>:cr=<ratio> (own environment, created on first use) and "
+                   "qcache:<quanto|hqq>:int<2|4> (transformers' QuantizedCache)")
+    b.add_argument("--tasks", help="comma-separated tasks: single,multikey,multivalue,multiquery,vartrack,fidelity")
+    b.add_argument("--lengths", help="comma-separated context lengths in tokens (default 2048)")
+    b.add_argument("--n", type=int, help="instances per task and length (default 20)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--haystack", default="noise", choices=("noise", "natural"))
+    b.add_argument("--out", default="runs/bench")
+    b.add_argument("--quick", action="store_true", help="SmolLM2-135M, 2k, 2 instances per task, 7 methods (< 10 min)")
+    b.set_defaults(func=c.cmd_bench)
+
+    rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
+    rp.add_argument("dir")
+    rp.set_defaults(func=c.cmd_report)
+
+    a = sub.add_parser("accounting", help="bytes per token, per layer: a V4.1 preset or an HF model + method")
+    a.add_argument("--preset", help="v41-flash, v4-flash or tiny-v41")
+    a.add_argument("--model", help="a known model or a local model directory")
+    a.add_argument("--method", default="bf16")
+    a.add_argument("--tokens", type=int, default=4096, help="context length for HF accounting")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=c.cmd_accounting)
+
+    st = sub.add_parser("store", help="inspect the persistent KV store (config: --config TOML or KVSTRATA_STORE_*)")
+    st.add_argument("action", choices=("stats", "verify", "gc"))
+    st.add_argument("--config", help="TOML file with a [store] table")
+    st.set_defaults(func=c.cmd_store)
+
+    sb = sub.add_parser("store-bench", help="persistent-store evidence: replay error, TTFT, tier throughput")
+    sb.add_argument("--model", default="gemma3-270m")
+    sb.add_argument("--tokens", type=int, default=8192)
+    sb.add_argument("--method", default="bf16")
+    sb.add_argument("--out", default="docs/results/store")
+    sb.set_defaults(func=c.cmd_store_bench)
+
+    ds = sub.add_parser("depth-similarity", help="adjacent-layer KV similarity per head (heat maps)")
+    ds.add_argument("--model", default="smollm2-135m,gemma3-270m")
+    ds.add_argument("--tokens", type=int, default=2048)
+    ds.add_argument("--group", type=int, default=4)
+    ds.add_argument("--out", default="docs/results/depth")
+    ds.set_defaults(func=c.cmd_depth_similarity)
+
+    da = sub.add_parser("depth-ablation", help="FreqDepthKV's G / F / r / tolerance / normalisation swept in the bench")
+    da.add_argument("--model", default="smollm2-135m")
+    da.add_argument("--length", type=int, default=2048)
+    da.add_argument("--n", type=int, default=3, help="instances per task")
+    da.add_argument("--methods", help="comma-separated specs (default: the built-in grid, bf16 first)")
+    da.add_argument("--out", default="docs/results", help="bench directory; rows go to OUT/depth-ablation")
+    da.set_defaults(func=c.cmd_depth_ablation)
+
+    ch = sub.add_parser("chat", help="multi-turn session over the persistent store: hit / replay / miss per turn")
+    ch.add_argument("--model", default="gemma3-270m")
+    ch.add_argument("--method", default="nvfp4;sliding=fp8")
+    ch.add_argument("--script", help="file of turns separated by lines of '---' (default: one turn per stdin line)")
+    ch.add_argument("--config", help="store TOML ([store] table); env KVSTRATA_STORE_* also apply")
+    ch.add_argument("--tenant", default="default")
+    ch.add_argument("--max-new-tokens", type=int, default=32)
+    ch.add_argument("--forget-swa-before", type=int, nargs="*", help="turn numbers before which the SWA pool is emptied")
+    ch.set_defaults(func=c.cmd_chat)
+
+    to = sub.add_parser("topk-overlap", help="top-k overlap between layers (evidence for Reuse schedules)")
+    to.add_argument("--model", default="smollm2-135m,gemma3-270m")
+    to.add_argument("--tokens", type=int, default=4096)
+    to.add_argument("--k", type=int, default=256)
+    to.add_argument("--out", default="docs/results/read")
+    to.set_defaults(func=c.cmd_topk_overlap)
+
+    vp = sub.add_parser("v41-prefill", help="V4.1 half-depth (CED) prefill time vs the same-size full-depth model")
+    vp.add_argument("--preset", default="small-v41")
+    vp.add_argument("--factor", type=int, default=16, help="prompt length in units of n_win")
+    vp.add_argument("--repeats", type=int, default=5)
+    vp.add_argument("--out", help="write the measurement as JSON here")
+    vp.set_defaults(func=c.cmd_v41_prefill)
+
+    tr = sub.add_parser("train-ref", help="train the tiny V4.1 model and a same-size dense transformer on recall")
+    tr.add_argument("--preset", default="tiny-v41")
+    tr.add_argument("--steps", type=int, default=1500)
+    tr.add_argument("--batch", type=int, default=32)
+    tr.add_argument("--seq-len", type=int, default=64)
+    tr.add_argument("--pairs", type=int, default=4)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--eval-sequences", type=int, default=256)
+    tr.add_argument("--override", help="JSON object of V41Config fields for both models, e.g. "
+                    "'{\"layer_modes\": [\"full\", ...], \"compress\": [1, ...]}'")
+    tr.add_argument("--out", default="runs/train-ref")
+    tr.set_defaults(func=c.cmd_train_ref)
+
+    sub.add_parser("methods", help="list registered methods").set_defaults(func=c.cmd_methods)
+    sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=c.cmd_models)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"kvstrata: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
