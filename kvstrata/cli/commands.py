@@ -90,11 +90,10 @@ def _csv(text: str) -> tuple[str, ...]:
 def cmd_bench(args) -> int:
     from kvstrata.bench.report import write_report
     from kvstrata.bench.runner import DEFAULT_METHODS, QUICK, BenchConfig, run
-    from kvstrata.bench.tasks import TASKS
-    from kvstrata.models.loader import check as check_model
-    from kvstrata.methods import parse_method
-
     from kvstrata.bench.peers import DEFAULT_PEERS, parse_peer
+    from kvstrata.bench.tasks import TASKS
+    from kvstrata.methods import parse_method
+    from kvstrata.models.loader import check as check_model
 
     q = QUICK if args.quick else {}
     if args.methods == "none":
