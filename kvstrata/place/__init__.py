@@ -6,6 +6,7 @@ from kvstrata.place.memory import MemoryTier
 from kvstrata.place.records import RecordError, decode_record, encode_record
 from kvstrata.place.redis_tier import RedisTier
 from kvstrata.place.store import KVStore, Lookup
+from kvstrata.place.tier import StoreUnavailable
 
 __all__ = ["DiskTier", "KVStore", "Lookup", "MemoryTier", "RecordError", "RedisTier", "StoreConfig",
-           "decode_record", "encode_record"]
+           "StoreUnavailable", "decode_record", "encode_record"]

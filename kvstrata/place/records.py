@@ -1,15 +1,21 @@
-"""Self-describing records: one value per cached block, no pickle.
+"""Signed, key-bound records: one value per cached block, no pickle.
 
-Layout: MAGIC (4 B) | version (u16 LE) | payload length (u64 LE) | SHA-256 of payload (32 B) |
-payload, where the payload is a safetensors blob (its own JSON header names every tensor's shape
-and dtype; string metadata carries the codec spec and block facts). A record that is truncated,
-has another magic or version, or fails its checksum raises `RecordError`: the caller treats it
-as a miss, counts it and removes it.
+Layout (version 2): MAGIC (4 B) | version (u16 LE) | class (u8: 0 global, 1 swa) | 0 (u8) |
+SHA-256 of the key (32 B) | namespace (32 B, zeros when none) | payload length (u64 LE) |
+HMAC-SHA256 over everything before it and the payload (32 B) | payload.
+
+The payload is a safetensors blob (its JSON header names every tensor's shape and dtype; string
+metadata carries the codec spec and block facts). Invariant: `decode_record` returns a value only
+for a whole record that was written under this key, class and namespace by someone holding the
+store's secret; anything else -- truncated, another magic or version, a bad HMAC, another key,
+class or namespace, a payload or metadata that does not parse -- raises `RecordError`, which the
+store answers as a counted miss and removes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 
@@ -18,33 +24,71 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 MAGIC = b"KVSR"
-VERSION = 1
-_HEAD = struct.Struct("<4sHQ32s")
+VERSION = 2
+CLASSES = ("global", "swa")
+NO_NAMESPACE = bytes(32)
+_HEAD = struct.Struct("<4sHBB32s32sQ")
+_MAC = 32
+HEADER_BYTES = _HEAD.size + _MAC
 
 
 class RecordError(ValueError):
-    """The bytes are not one whole, intact record of a known version."""
+    """The bytes are not one whole, intact, signed record of this key, class and namespace."""
 
 
-def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+def key_digest(key: str) -> bytes:
+    return hashlib.sha256(b"kvstrata-key\0" + key.encode()).digest()
+
+
+def _namespace(ns: bytes) -> bytes:
+    if len(ns) not in (0, 32):
+        raise ValueError(f"a record namespace is 32 bytes (or empty), got {len(ns)}")
+    return ns or NO_NAMESPACE
+
+
+def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, str], *, key: str, secret: bytes,
+                  klass: str = "global", namespace: bytes = b"") -> bytes:
+    """Sign `tensors` + string `meta` as the record of `key` in `klass` (global | swa) and `namespace`."""
+    if klass not in CLASSES:
+        raise ValueError(f"record class must be one of {CLASSES}, got {klass!r}")
     payload = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={k: str(v) for k, v in meta.items()})
-    return _HEAD.pack(MAGIC, VERSION, len(payload), hashlib.sha256(payload).digest()) + payload
+    head = _HEAD.pack(MAGIC, VERSION, CLASSES.index(klass), 0, key_digest(key), _namespace(namespace), len(payload))
+    return head + hmac.new(secret, head + payload, hashlib.sha256).digest() + payload
 
 
-def decode_record(blob: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    if len(blob) < _HEAD.size:
-        raise RecordError(f"truncated record: {len(blob)} bytes, header needs {_HEAD.size}")
-    magic, version, length, digest = _HEAD.unpack_from(blob)
+def decode_record(blob: bytes, *, key: str, secret: bytes, klass: str | None = None,
+                  namespace: bytes | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Verify and parse one record; `klass` / `namespace` None accept any. Raises RecordError."""
+    if len(blob) < HEADER_BYTES:
+        raise RecordError(f"truncated record: {len(blob)} bytes, header needs {HEADER_BYTES}")
+    magic, version, cls, _, kd, ns, length = _HEAD.unpack_from(blob)
     if magic != MAGIC:
         raise RecordError("not a kvstrata record (bad magic)")
     if version != VERSION:
         raise RecordError(f"unknown record version {version} (this build reads {VERSION})")
-    payload = blob[_HEAD.size :]
-    if len(payload) != length:
-        raise RecordError(f"truncated record: payload {len(payload)} of {length} bytes")
-    if hashlib.sha256(payload).digest() != digest:
-        raise RecordError("record checksum mismatch")
-    tensors = st_load(payload)
-    header_len = struct.unpack_from("<Q", payload)[0]
-    meta = json.loads(payload[8 : 8 + header_len]).get("__metadata__", {})
+    if len(blob) - HEADER_BYTES != length:
+        raise RecordError(f"truncated record: payload {len(blob) - HEADER_BYTES} of {length} bytes")
+    mac = hmac.new(secret, memoryview(blob)[: _HEAD.size], hashlib.sha256)
+    mac.update(memoryview(blob)[HEADER_BYTES:])
+    if not hmac.compare_digest(mac.digest(), blob[_HEAD.size : HEADER_BYTES]):
+        raise RecordError("record signature mismatch (damaged, or not signed with this store's secret)")
+    if not hmac.compare_digest(kd, key_digest(key)):
+        raise RecordError("record belongs to another key")
+    if cls >= len(CLASSES) or (klass is not None and CLASSES[cls] != klass):
+        raise RecordError(f"record class {cls} is not {klass!r}")
+    if namespace is not None and ns != _namespace(namespace):
+        raise RecordError("record belongs to another namespace (model, method or dtype)")
+    return _parse(bytes(memoryview(blob)[HEADER_BYTES:]))
+
+
+def _parse(payload: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors payload -> (tensors, flat str -> str metadata); any parse failure is a RecordError."""
+    try:
+        tensors = st_load(payload)
+        (header_len,) = struct.unpack_from("<Q", payload)
+        meta = json.loads(payload[8 : 8 + header_len]).get("__metadata__") or {}
+    except Exception as exc:  # safetensors, struct, JSON and UTF-8 errors alike: the bytes do not parse
+        raise RecordError(f"record payload does not parse: {type(exc).__name__}: {exc}") from None
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise RecordError("record metadata is not a flat map of strings")
     return tensors, meta

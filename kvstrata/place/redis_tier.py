@@ -1,33 +1,60 @@
 """Redis tier (redis-py): one key per record with `PX` TTLs, a connection pool, socket timeouts
 with bounded retries, pipelined batches, and Redis Cluster with hash tags.
 
-Any transport failure (server down, slow past the socket timeout) is answered as a miss and
-counted; it never raises into the serving path, and never returns a partial value (Redis SET /
-GET are atomic per key).
+Serving path: any failure (server down, slow past the socket timeout, authentication, a refusal
+such as out-of-memory) is a counted miss or a counted refusal; it never raises into the serving
+path and never returns a partial value (Redis SET / GET are atomic per key).
+Admin path (`connect`, `keys`, `nbytes`, `ttls`): failures raise `StoreUnavailable`, so an
+unreachable or unauthenticated server is never reported as an empty store. `connect` also checks
+`maxmemory-policy`: global records carry a TTL equal to their retention, so any policy but
+`noeviction` may evict them before it (volatile-* policies included); it is refused for the global
+tier unless the caller opts in (then `describe` says retention is not guaranteed).
 """
 
 from __future__ import annotations
 
 import time
+from urllib.parse import urlsplit
 
-from kvstrata.place.tier import TierStats
+from kvstrata.place.tier import StoreUnavailable, TierStats
+
+SAFE_POLICY = "noeviction"
+
+
+class EvictionPolicyError(ValueError):
+    """The Redis server may evict global KV before its retention, and the user did not opt in."""
+
+
+def _where(url: str) -> str:
+    """host:port/db of a Redis URL, never its password."""
+    u = urlsplit(url)
+    return f"{u.hostname or u.path}:{u.port or 6379}{u.path if u.hostname else ''}"
 
 
 class RedisTier:
+    retention_by_ttl = True  # the store expresses global retention as a Redis TTL on each record
+
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvstrata", cluster: bool = False,
                  socket_timeout: float = 0.5, retries: int = 1, max_connections: int = 16, client=None):
         import redis
 
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._x = redis.exceptions
+        self._transport = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self.prefix = prefix
         self.retries = retries
+        self.where = _where(url)
         self.stats = TierStats()
+        self.server: dict = {}
         if client is not None:
             self.client = client
         elif cluster:
             from redis.cluster import RedisCluster
 
-            self.client = RedisCluster.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+            try:  # RedisCluster connects here to learn the slot map
+                self.client = RedisCluster.from_url(url, socket_timeout=socket_timeout,
+                                                    socket_connect_timeout=socket_timeout)
+            except redis.exceptions.RedisError as exc:
+                raise StoreUnavailable(f"Redis Cluster at {self.where} cannot be reached: {exc}") from None
         else:
             pool = redis.ConnectionPool.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
                                                  max_connections=max_connections)
@@ -37,15 +64,25 @@ class RedisTier:
         # `{group}` is a Redis Cluster hash tag: a prefix chain's blocks land on one slot
         return f"{self.prefix}:{{{group or key[:16]}}}:{key}"
 
+    # --- serving path: failures are counted misses / refusals -------------------------------------
     def _call(self, fn):
         for attempt in range(self.retries + 1):
             try:
                 return fn()
-            except self._errors:
+            except self._transport:
                 if attempt == self.retries:
                     self.stats.errors += 1
                     return None
                 time.sleep(0.01 * (attempt + 1))
+            except self._x.OutOfMemoryError:
+                self._count("refused_out_of_memory")
+                return None
+            except self._x.RedisError:  # refused by the server: NOPERM, READONLY, WRONGTYPE, ...
+                self.stats.errors += 1
+                return None
+
+    def _count(self, what: str, n: int = 1) -> None:
+        self.stats.extra[what] = self.stats.extra.get(what, 0) + n
 
     def get(self, key: str, group: str = "") -> bytes | None:
         value = self._call(lambda: self.client.get(self._key(key, group)))
@@ -70,44 +107,87 @@ class RedisTier:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.get(self._key(k, group))
-            return pipe.execute()
+            return pipe.execute(raise_on_error=False)
 
         values = self._call(run)
         if values is None:
-            self.stats.misses += len(keys)
-            return [None] * len(keys)
-        for v in values:
-            if v is None:
-                self.stats.misses += 1
-            else:
-                self.stats.hits += 1
-        return list(values)
+            values = [None] * len(keys)
+        out = [v if isinstance(v, bytes) else None for v in values]
+        self.stats.errors += sum(isinstance(v, Exception) for v in values)
+        self.stats.misses += out.count(None)
+        self.stats.hits += len(out) - out.count(None)
+        return out
 
     def put_many(self, items: list[tuple[str, bytes]], ttl_s: float | None = None, group: str = "") -> bool:
+        """One pipelined round trip; True when every item was stored (each refusal is counted)."""
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
 
         def run():
             pipe = self.client.pipeline(transaction=False)
             for k, v in items:
                 pipe.set(self._key(k, group), v, px=px)
-            return pipe.execute()
+            return pipe.execute(raise_on_error=False)
 
-        ok = self._call(run)
-        if ok is None:
-            self.stats.refused += len(items)
-            return False
-        self.stats.writes += len(items)
-        return True
+        results = self._call(run) or [None] * len(items)
+        ok = sum(r is True for r in results)
+        self._count("refused_out_of_memory", sum(isinstance(r, self._x.OutOfMemoryError) for r in results))
+        self.stats.writes += ok
+        self.stats.refused += len(items) - ok
+        return ok == len(items)
 
     def delete(self, key: str, group: str = "") -> None:
         self._call(lambda: self.client.delete(self._key(key, group)))
 
+    # --- admin path: failures raise StoreUnavailable ----------------------------------------------
+    def _admin(self, fn, what: str):
+        try:
+            return fn()
+        except self._x.AuthenticationError as exc:
+            raise StoreUnavailable(f"Redis at {self.where} refused authentication while {what}: {exc}") from None
+        except self._transport as exc:
+            raise StoreUnavailable(f"Redis at {self.where} cannot be reached while {what}: {exc}") from None
+        except self._x.RedisError as exc:
+            raise StoreUnavailable(f"Redis at {self.where} refused {what}: {exc}") from None
+
+    def connect(self, global_class: bool = True, allow_eviction: bool = False) -> dict:
+        """Reach the server, authenticate, and check that it keeps global KV for its retention."""
+        def probe():
+            self.client.ping()
+            info = self.client.info("memory")
+            nodes = info.values() if "maxmemory_policy" not in info else [info]
+            return sorted({n.get("maxmemory_policy", "unknown") for n in nodes if isinstance(n, dict)})
+
+        policies = self._admin(probe, "connecting")
+        policy = ",".join(policies) or "unknown"
+        if global_class and policies != [SAFE_POLICY] and not allow_eviction:
+            raise EvictionPolicyError(
+                f"Redis at {self.where} has maxmemory-policy {policy}, which may evict global KV before its "
+                f"retention (its records carry a TTL, so volatile-* policies evict them too): set maxmemory-policy "
+                f"{SAFE_POLICY}, or opt in with redis_allow_eviction = true (retention then not guaranteed)")
+        self.server = {"server": self.where, "maxmemory_policy": policy, "eviction_allowed": allow_eviction,
+                       "retention_guaranteed": policies == [SAFE_POLICY]}
+        return self.server
+
     def keys(self) -> list[str]:
-        found = self._call(lambda: list(self.client.scan_iter(match=f"{self.prefix}:*", count=1000))) or []
+        found = self._admin(lambda: list(self.client.scan_iter(match=f"{self.prefix}:*", count=1000)), "listing keys")
         return [k.decode().rsplit(":", 1)[-1] for k in found]
 
     def nbytes(self) -> int:
         def run():
             return sum(self.client.memory_usage(k) or 0 for k in self.client.scan_iter(match=f"{self.prefix}:*"))
 
-        return self._call(run) or 0
+        return self._admin(run, "measuring memory")
+
+    def ttls(self, keys: list[str], group: str = "") -> list[float | None]:
+        """Remaining TTL in seconds per key; None for a key without a TTL, -1.0 for one that is gone."""
+        def run():
+            return [self.client.pttl(self._key(k, group)) for k in keys]
+
+        return [None if ms == -1 else -1.0 if ms == -2 else ms / 1000 for ms in self._admin(run, "reading TTLs")]
+
+    def set_ttl(self, key: str, ttl_s: float, group: str = "") -> bool:
+        return bool(self._admin(lambda: self.client.pexpire(self._key(key, group), max(1, int(ttl_s * 1000))),
+                                "setting a TTL"))
+
+    def describe(self) -> dict:
+        return dict(self.server) or {"server": self.where}

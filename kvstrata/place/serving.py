@@ -23,6 +23,7 @@ from kvstrata.hf.run import forward
 from kvstrata.hf.segments import Segment, decode_segment, encode_segment
 from kvstrata.methods import StoreRecipe, parse_method
 from kvstrata.place.prefix_keys import block_hashes, model_fingerprint, namespace
+from kvstrata.place.records import RecordError
 from kvstrata.place.store import KVStore
 
 
@@ -49,17 +50,24 @@ def pack(recipe: StoreRecipe, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) 
 
 
 def unpack(recipe: StoreRecipe, tensors: dict, meta: dict, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Record tensors + metadata -> per-layer dense K/V; any inconsistency is a RecordError."""
     if meta.get("codec") != recipe.codec or meta.get("key_axis") != recipe.key_axis:
-        raise ValueError(f"record codec {meta.get('codec')!r} does not match the method's {recipe.codec!r}")
-    out = {}
-    layers = sorted({int(k.split(".")[0]) for k in tensors})
-    for i in layers:
-        qs = []
-        for tag in ("k", "v"):
-            parts = {k.split(".", 2)[2]: t for k, t in tensors.items() if k.startswith(f"{i}.{tag}.")}
-            shape = tuple(int(x) for x in meta[f"{i}.{tag}.shape"].split(","))
-            qs.append(QTensor(recipe.codec, shape, getattr(torch, meta[f"{i}.{tag}.dtype"]), parts))
-        out[i] = decode_segment(recipe, Segment(qs[0], qs[1], int(meta[f"{i}.tokens"])), dtype)
+        raise RecordError(f"record codec {meta.get('codec')!r} does not match the method's {recipe.codec!r}")
+    try:
+        out = {}
+        layers = sorted({int(k.split(".")[0]) for k in tensors})
+        for i in layers:
+            qs = []
+            for tag in ("k", "v"):
+                parts = {k.split(".", 2)[2]: t for k, t in tensors.items() if k.startswith(f"{i}.{tag}.")}
+                shape = tuple(int(x) for x in meta[f"{i}.{tag}.shape"].split(","))
+                kind = getattr(torch, meta[f"{i}.{tag}.dtype"])
+                if not isinstance(kind, torch.dtype):
+                    raise TypeError(f"{meta[f'{i}.{tag}.dtype']!r} is not a dtype")
+                qs.append(QTensor(recipe.codec, shape, kind, parts))
+            out[i] = decode_segment(recipe, Segment(qs[0], qs[1], int(meta[f"{i}.tokens"])), dtype)
+    except Exception as exc:  # names, shapes, dtypes or parts that do not fit: the record is unusable
+        raise RecordError(f"record does not decode: {type(exc).__name__}: {exc}") from None
     return out
 
 
@@ -90,17 +98,42 @@ class PrefixServer:
         fp = fingerprint or model_fingerprint(model.config.to_dict(), weights_digest(model))
         self.ns = namespace(fp, str(self.spec), dtype)
         self.dtype = next(model.parameters()).dtype
+        text = model.config.get_text_config()
+        self.vocab, self.kv_heads = text.vocab_size, text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+    def _load(self, klass: str, key: str, layers: list[int], tokens: int | None):
+        """Verified record of `key` decoded to per-layer K/V `[1, kv_heads, tokens, head_dim]`, or None;
+        a record that verifies but does not decode to exactly that is counted and removed."""
+        rec = (self.store.get_global if klass == "global" else self.store.get_swa)(key, self.ns)
+        if rec is None:
+            return None
+        try:
+            kv = unpack(self.spec.full if klass == "global" else self.spec.sliding, *rec, self.dtype)
+            if sorted(kv) != layers:
+                raise RecordError(f"record holds layers {sorted(kv)}, expected {layers}")
+            for k, v in kv.values():
+                if k.shape != v.shape or k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != self.kv_heads or \
+                        k.shape[3] != self.head_dim or (tokens is not None and k.shape[2] != tokens):
+                    raise RecordError(f"record tensors {tuple(k.shape)} / {tuple(v.shape)} do not fit the model")
+        except RecordError:
+            self.store.reject(key, klass)
+            return None
+        return kv
 
     def _fetch(self, hashes: list[str]):
+        full = [i for i, (c, _) in enumerate(self.classes) if c == "full"]
         records = []
         for h in hashes:
-            rec = self.store.get_global(h)
-            if rec is None:
+            kv = self._load("global", h, full, self.block)
+            if kv is None:
                 break
-            records.append(unpack(self.spec.full, *rec, self.dtype))
+            records.append(kv)
         return records
 
     def serve(self, ids: list[int]) -> Served:
+        if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab for t in ids):
+            raise ValueError(f"serve needs a non-empty list of token ids in [0, {self.vocab})")
         t0 = time.perf_counter()
         usable = (len(ids) - 1) // self.block  # keep >= 1 token to compute the next-token logits
         hashes = [h.hex() for h in block_hashes(ids, self.block, self.ns, self.tenant)][:usable]
@@ -109,8 +142,8 @@ class PrefixServer:
         cache = CompressedCache(self.model.config, self.spec)
         start, kind = 0, "miss"
         if records:
-            swa = self.store.get_swa(hashes[len(records) - 1])
-            swa_kv = unpack(self.spec.sliding, *swa, self.dtype) if swa is not None else None
+            sliding = [i for i, (c, _) in enumerate(self.classes) if c == "sliding"]
+            swa_kv = self._load("swa", hashes[len(records) - 1], sliding, None) if sliding else None
             kind = "hit" if swa_kv is not None else "replay"
             start = P if swa_kv is not None else max(0, P - self.n_win)
             for i, (layer, (cls, _)) in enumerate(zip(cache.layers, self.classes)):
@@ -136,9 +169,9 @@ class PrefixServer:
         if snapshot is not None:
             blocks, swa = snapshot
             for b, kv in blocks.items():
-                self.store.put_global(hashes[b], *pack(self.spec.full, kv))
+                self.store.put_global(hashes[b], *pack(self.spec.full, kv), namespace=self.ns)
             if swa:
-                self.store.put_swa(hashes[Q // self.block - 1], *pack(self.spec.sliding, swa))
+                self.store.put_swa(hashes[Q // self.block - 1], *pack(self.spec.sliding, swa), namespace=self.ns)
         write_s += time.perf_counter() - t1
         return Served(cache, logits, kind, P, len(ids) - start, ttft, write_s)
 
@@ -153,6 +186,5 @@ class PrefixServer:
         return blocks, swa
 
     def _empty(self, i: int):
-        text = self.model.config.get_text_config()
-        z = torch.zeros(1, text.num_key_value_heads, 0, text.head_dim, dtype=self.dtype)
+        z = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
         return z, z

@@ -2,21 +2,24 @@
 
 Two classes, two policies:
 - global KV (full-attention layers): never evicted inside its retention; a full tier refuses new
-  writes (counted) rather than break that guarantee.
+  writes (counted) rather than break that guarantee. On Redis the retention is each record's TTL.
 - SWA KV (sliding layers): a memory pool capped at a share of host RAM with a TTL of minutes;
   expired entries are reclaimed at once, live ones evicted oldest-first when the pool is full
   (an SWA miss costs a bounded replay, not a full prefill).
-Every read is verified (`records.decode_record`); a record that cannot be proven intact is a miss,
-counted, and removed.
+Invariant: a read returns a record only if it proves it is intact, signed with this store's
+secret and written under the key, class and namespace asked for (`records.decode_record`);
+anything else is a miss, counted (`stats.corrupt`) and removed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from kvstrata.place.records import RecordError, decode_record, encode_record
-from kvstrata.place.tier import Tier
+from kvstrata.place.tier import StoreUnavailable, Tier
 
 
 @dataclass
@@ -35,88 +38,149 @@ class Lookup:
 
 
 class KVStore:
-    def __init__(self, global_tier: Tier, swa_tier: Tier, retention_s: float = 72 * 3600, swa_ttl_s: float = 300.0):
+    """`secret` signs and verifies records; None draws a fresh one, so records live as long as this
+    object (`from_config` reads or creates the store's persistent secret)."""
+
+    def __init__(self, global_tier: Tier, swa_tier: Tier, retention_s: float = 72 * 3600, swa_ttl_s: float = 300.0,
+                 secret: bytes | None = None):
         self.global_tier = global_tier
         self.swa_tier = swa_tier
         self.retention_s = retention_s
         self.swa_ttl_s = swa_ttl_s
+        self.secret = secrets.token_bytes(32) if secret is None else secret
+
+    def _tier(self, klass: str) -> Tier:
+        return self.global_tier if klass == "global" else self.swa_tier
 
     # --- global KV -----------------------------------------------------------------------------
-    def put_global(self, key: str, tensors, meta: dict) -> bool:
+    def put_global(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
         """Persist one block's global KV; False (and counted) when the tier is full."""
-        return self.global_tier.put(key, encode_record(tensors, {**meta, "class": "global"}))
+        by_ttl = getattr(self.global_tier, "retention_by_ttl", False) and self.retention_s > 0
+        blob = encode_record(tensors, meta, key=key, secret=self.secret, klass="global", namespace=namespace)
+        return self.global_tier.put(key, blob, ttl_s=self.retention_s if by_ttl else None)
 
-    def get_global(self, key: str):
-        return self._verified(self.global_tier, key)
+    def get_global(self, key: str, namespace: bytes | None = None):
+        """(tensors, meta) of a verified global record, or None (missing, expired, or rejected)."""
+        return self._verified("global", key, namespace)
 
     # --- SWA KV ---------------------------------------------------------------------------------
-    def put_swa(self, key: str, tensors, meta: dict) -> bool:
-        return self.swa_tier.put(key, encode_record(tensors, {**meta, "class": "swa"}), ttl_s=self.swa_ttl_s)
+    def put_swa(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
+        blob = encode_record(tensors, meta, key=key, secret=self.secret, klass="swa", namespace=namespace)
+        return self.swa_tier.put(key, blob, ttl_s=self.swa_ttl_s)
 
-    def get_swa(self, key: str):
-        return self._verified(self.swa_tier, key)
+    def get_swa(self, key: str, namespace: bytes | None = None):
+        return self._verified("swa", key, namespace)
 
-    def _verified(self, tier: Tier, key: str):
-        blob = tier.get(key)
-        if blob is None:
-            return None
+    def _verified(self, klass: str, key: str, namespace: bytes | None):
+        blob = self._tier(klass).get(key)
+        return None if blob is None else self._decode(klass, key, blob, namespace)
+
+    def _decode(self, klass: str, key: str, blob: bytes, namespace: bytes | None):
         try:
-            return decode_record(blob)
+            return decode_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
         except RecordError:
-            tier.stats.corrupt += 1
-            tier.delete(key)
+            self.reject(key, klass)
             return None
+
+    def reject(self, key: str, klass: str = "global") -> None:
+        """A record that verified but cannot be used (e.g. its payload does not decode): counted, removed."""
+        tier = self._tier(klass)
+        tier.stats.corrupt += 1
+        tier.delete(key)
 
     # --- serving --------------------------------------------------------------------------------
-    def lookup(self, hashes: list[str]) -> Lookup:
+    def lookup(self, hashes: list[str], namespace: bytes | None = None) -> Lookup:
         """Longest prefix of `hashes` whose global KV is present and intact, and SWA liveness there."""
         n = 0
         for h in hashes:
-            if self.get_global(h) is None:
+            if self.get_global(h, namespace) is None:
                 break
             n += 1
-        live = n > 0 and self.get_swa(hashes[n - 1]) is not None
+        live = n > 0 and self.get_swa(hashes[n - 1], namespace) is not None
         return Lookup(n, live)
 
     @classmethod
     def from_config(cls, cfg) -> "KVStore":
-        """Embedded default: local disk for global KV (or Redis when `redis_url` is set), RAM pool for SWA."""
-        from pathlib import Path
-
+        """Embedded default: local disk for global KV (or Redis when `redis_url` is set, after checking
+        it can be reached and keeps retention), RAM pool for SWA, the store's persistent secret."""
         from kvstrata.place.disk import DiskTier
+        from kvstrata.place.disk_root import SECRET, open_root
         from kvstrata.place.memory import MemoryTier
         from kvstrata.place.redis_tier import RedisTier
+        from kvstrata.place.secret import load_or_create, parse_hex
 
+        if cfg.secret:
+            secret = parse_hex(cfg.secret, "secret")
+        else:
+            secret = load_or_create(cfg.secret_file or open_root(cfg.root) / SECRET)
         if cfg.redis_url:
             g = RedisTier(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=cfg.redis_timeout_seconds)
+            g.connect(global_class=True, allow_eviction=cfg.redis_allow_eviction)
         else:
-            g = DiskTier(Path(cfg.root).expanduser(), int(cfg.global_capacity_gb * 2**30))
-        return cls(g, MemoryTier(cfg.swa_capacity_bytes), cfg.retention_hours * 3600, cfg.swa_ttl_seconds)
+            g = DiskTier(cfg.root, int(cfg.global_capacity_gb * 2**30))
+        return cls(g, MemoryTier(cfg.swa_capacity_bytes), cfg.retention_hours * 3600, cfg.swa_ttl_seconds, secret)
 
+    # --- admin ------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        from dataclasses import asdict
+        out = {}
+        for name, t in (("global", self.global_tier), ("swa", self.swa_tier)):
+            out[name] = {"keys": len(t.keys()), "bytes": t.nbytes(), **asdict(t.stats)}
+            out[name].update(getattr(t, "describe", dict)())
+        out["global"]["secret_id"] = hashlib.sha256(b"kvstrata-secret-id\0" + self.secret).hexdigest()[:12]
+        return out
 
-        return {name: {"keys": len(t.keys()), "bytes": t.nbytes(), **asdict(t.stats)}
-                for name, t in (("global", self.global_tier), ("swa", self.swa_tier))}
+    def _admin_read(self, key: str) -> tuple[str, object]:
+        """('ok', record) | ('corrupt', None) | ('gone', None); a failing tier raises StoreUnavailable."""
+        t = self.global_tier
+        errors, corrupt = t.stats.errors, t.stats.corrupt
+        blob = t.get(key)
+        if t.stats.errors > errors:
+            raise StoreUnavailable(f"the global tier failed while reading {key}")
+        if blob is None:
+            return ("corrupt" if t.stats.corrupt > corrupt else "gone"), None
+        rec = self._decode("global", key, blob, None)
+        return ("ok", rec) if rec is not None else ("corrupt", None)
+
+    def _skipped(self) -> dict:
+        return {"skipped": getattr(self.global_tier, "describe", dict)().get("skipped", {})}
 
     def verify(self) -> dict:
         """Read back every global record; corrupt ones are removed and counted."""
         keys = self.global_tier.keys()
-        bad = [k for k in keys if self.get_global(k) is None]
-        return {"checked": len(keys), "corrupt_removed": len(bad)}
+        states = [self._admin_read(k)[0] for k in keys]
+        return {"checked": len(keys), "corrupt_removed": states.count("corrupt"), "gone": states.count("gone"),
+                **self._skipped()}
 
     def gc(self) -> dict:
-        """Verify every global record (removing corrupt ones) and drop those past retention."""
+        """Verify every global record (removing corrupt ones) and drop those past retention; on a tier
+        that keeps retention as TTLs, report them and give a TTL to records that lack one."""
         removed = corrupt = 0
+        alive = []
         mtime = getattr(self.global_tier, "mtime", None)
         for key in self.global_tier.keys():
-            if self.get_global(key) is None:
-                corrupt += 1
+            state, _ = self._admin_read(key)
+            corrupt += state == "corrupt"
+            if state != "ok":
                 continue
             written = mtime(key) if mtime else None
             if written is not None and time.time() - written > self.retention_s:
                 self.global_tier.delete(key)
                 removed += 1
+            else:
+                alive.append(key)
         reclaim = getattr(self.swa_tier, "reclaim_expired", None)
-        expired = reclaim() if reclaim else 0
-        return {"removed_past_retention": removed, "corrupt_removed": corrupt, "swa_expired": expired}
+        out = {"removed_past_retention": removed, "corrupt_removed": corrupt,
+               "swa_expired": reclaim() if reclaim else 0, **self._skipped()}
+        if getattr(self.global_tier, "retention_by_ttl", False):
+            out["ttl"] = self._ttl_report(alive)
+        return out
+
+    def _ttl_report(self, keys: list[str]) -> dict:
+        ttls = self.global_tier.ttls(keys)
+        missing = [k for k, t in zip(keys, ttls) if t is None]
+        if self.retention_s > 0:
+            for k in missing:
+                self.global_tier.set_ttl(k, self.retention_s)
+        left = [t for t in ttls if t is not None and t >= 0]
+        return {"retention_s": self.retention_s, "with_ttl": len(left), "ttl_set_now": len(missing) if self.retention_s > 0 else 0,
+                "min_remaining_s": min(left, default=None), "max_remaining_s": max(left, default=None)}

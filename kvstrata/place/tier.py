@@ -17,7 +17,12 @@ class TierStats:
     expired: int = 0
     errors: int = 0  # transport failures answered as misses
     corrupt: int = 0  # records that failed verification and were removed
+    skipped: int = 0  # entries the tier did not create, left alone (disk: other files, links, FIFOs)
     extra: dict = field(default_factory=dict)
+
+
+class StoreUnavailable(RuntimeError):
+    """A tier cannot be reached or refuses us (server down, authentication): said, never a silent empty answer."""
 
 
 class Tier(Protocol):

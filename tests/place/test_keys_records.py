@@ -44,24 +44,41 @@ def test_anything_that_changes_bytes_changes_every_key(other):
     assert not set(base) & set(got)
 
 
+SECRET = b"s" * 32
+
+
 def test_record_round_trip():
     t = {"k": torch.arange(12, dtype=torch.uint8).reshape(3, 4), "s": torch.randn(3)}
-    tensors, meta = decode_record(encode_record(t, {"codec": "nvfp4", "tokens": 16}))
+    blob = encode_record(t, {"codec": "nvfp4", "tokens": 16}, key="k1", secret=SECRET, namespace=NS)
+    tensors, meta = decode_record(blob, key="k1", secret=SECRET, klass="global", namespace=NS)
     assert torch.equal(tensors["k"], t["k"]) and torch.equal(tensors["s"], t["s"])
     assert meta == {"codec": "nvfp4", "tokens": "16"}
 
 
 def test_damaged_records_are_refused():
-    blob = encode_record({"k": torch.zeros(64, dtype=torch.uint8)}, {"codec": "fp8"})
+    blob = encode_record({"k": torch.zeros(64, dtype=torch.uint8)}, {"codec": "fp8"}, key="k1", secret=SECRET)
     flipped = bytearray(blob)
     flipped[-5] ^= 0x10
-    with pytest.raises(RecordError, match="checksum"):
-        decode_record(bytes(flipped))
+    with pytest.raises(RecordError, match="signature"):
+        decode_record(bytes(flipped), key="k1", secret=SECRET)
     with pytest.raises(RecordError, match="truncated"):
-        decode_record(blob[:-3])
+        decode_record(blob[:-3], key="k1", secret=SECRET)
     with pytest.raises(RecordError, match="truncated"):
-        decode_record(blob[:10])
+        decode_record(blob[:10], key="k1", secret=SECRET)
     with pytest.raises(RecordError, match="version"):
-        decode_record(blob[:4] + b"\x09\x00" + blob[6:])
+        decode_record(blob[:4] + b"\x09\x00" + blob[6:], key="k1", secret=SECRET)
     with pytest.raises(RecordError, match="magic"):
-        decode_record(b"XXXX" + blob[4:])
+        decode_record(b"XXXX" + blob[4:], key="k1", secret=SECRET)
+
+
+@pytest.mark.parametrize("wrong, match", [
+    (dict(key="k2"), "another key"),
+    (dict(klass="swa"), "class"),
+    (dict(namespace=namespace("model-b", "nvfp4", "float32")), "another namespace"),
+    (dict(secret=b"t" * 32), "signature"),
+])
+def test_a_record_proves_its_key_class_namespace_and_signer(wrong, match):
+    blob = encode_record({"k": torch.zeros(8)}, {}, key="k1", secret=SECRET, klass="global", namespace=NS)
+    asked = dict(key="k1", secret=SECRET, klass="global", namespace=NS) | wrong
+    with pytest.raises(RecordError, match=match):
+        decode_record(blob, **asked)

@@ -135,8 +135,13 @@ def test_store_cli(tmp_path, capsys):
     s = KVStore.from_config(StoreConfig.load(cfg, env={}))
     s.put_global("a1", BLOCK, {})
     s.put_global("a2", BLOCK, {})
-    (tmp_path / "kv" / "a2.kv").write_bytes(b"\0" * 12)
+    damaged = bytearray((tmp_path / "kv" / "a2.kv").read_bytes())
+    damaged[-1] ^= 1
+    (tmp_path / "kv" / "a2.kv").write_bytes(bytes(damaged))
+    (tmp_path / "kv" / "a3.kv").write_bytes(b"\0" * 12)  # not written by kvstrata: reported, left alone
     assert main(["store", "verify", "--config", str(cfg)]) == 0
-    assert json.loads(capsys.readouterr().out) == {"checked": 2, "corrupt_removed": 1}
+    out = json.loads(capsys.readouterr().out)
+    assert out["checked"] == 2 and out["corrupt_removed"] == 1 and "a3.kv" in out["skipped"]
     assert main(["store", "stats", "--config", str(cfg)]) == 0
     assert json.loads(capsys.readouterr().out)["global"]["keys"] == 1
+    assert (tmp_path / "kv" / "a3.kv").read_bytes() == b"\0" * 12

@@ -15,6 +15,9 @@ from kvstrata.place.records import decode_record, encode_record
 from kvstrata.place.redis_tier import RedisTier
 
 
+SECRET = b"k" * 32
+
+
 @pytest.fixture
 def clock(monkeypatch):
     t = [1000.0]
@@ -58,7 +61,7 @@ def test_disk_survives_restart_and_expires(tmp_path, clock):
 
 
 def test_disk_refuses_when_full(tmp_path):
-    d = DiskTier(tmp_path, 100)
+    d = DiskTier(tmp_path, 120)  # an entry is its value + a 24-byte header
     assert d.put("a", b"x" * 80)
     assert not d.put("b", b"y" * 80) and d.stats.refused == 1
     assert d.put("a", b"z" * 80)  # overwriting the same key fits
@@ -87,14 +90,14 @@ DiskTier(sys.argv[1], 1 << 30).put("key", bytes([int(sys.argv[2])]) * 2_000_000)
 
 def test_process_killed_mid_write_leaves_no_partial_record(tmp_path):
     d = DiskTier(tmp_path, 1 << 30)
-    d.put("key", encode_record({"v": torch.zeros(10)}, {}))
+    d.put("key", encode_record({"v": torch.zeros(10)}, {}, key="key", secret=SECRET))
     p = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), "7", "30"], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "written"  # temp file complete, rename pending
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    tensors, _ = decode_record(DiskTier(tmp_path, 1 << 30).get("key"))  # still the old, whole record
+    tensors, _ = decode_record(DiskTier(tmp_path, 1 << 30).get("key"), key="key", secret=SECRET)  # still the old, whole record
     assert torch.equal(tensors["v"], torch.zeros(10))
-    assert not list(tmp_path.glob(".tmp-*"))  # reopening cleaned the orphan
+    assert not list(tmp_path.glob(".kvstrata-tmp-*"))  # reopening reaped the orphan: its writer is gone
 
 
 def test_two_writers_same_key_reader_sees_one_whole_value(tmp_path):
