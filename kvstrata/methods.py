@@ -23,6 +23,7 @@ from kvstrata.keep import KEEP_POLICIES
 from kvstrata.read.sparse import TopK
 
 LAYER_CLASSES = ("full", "sliding")
+MAX_RECENT = 1 << 24  # r: recent tokens kept in full precision (beyond any context we run)
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,8 @@ def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
         r_int = int(r)
     except ValueError:
         raise ValueError(f"{name}: parameter r={r!r} is not an integer") from None
-    if r_int < 0:
-        raise ValueError(f"{name}: parameter r must be >= 0, got {r_int}")
+    if not 0 <= r_int <= MAX_RECENT:
+        raise ValueError(f"{name}: parameter r must be >= 0 and <= {MAX_RECENT}, got {r_int}")
     if keys not in ("token", "channel"):
         raise ValueError(f"{name}: parameter keys must be 'token' or 'channel', got {keys!r}")
     cls = CODECS[name]
@@ -154,10 +155,14 @@ def parse_method(text: str) -> MethodSpec:
     chunks = [c.strip() for c in text.split(";")]
     base = _parse_recipe(chunks[0])
     per_class = {"full": base, "sliding": base}
+    given = set()
     for chunk in chunks[1:]:
         cls, eq, recipe = chunk.partition("=")
         cls = cls.strip().lower()
         if not eq or cls not in LAYER_CLASSES:
             raise ValueError(f"{chunk!r}: expected <class>=<recipe> with class in {LAYER_CLASSES}")
+        if cls in given:
+            raise ValueError(f"{text.strip()!r}: layer class {cls!r} given twice")
+        given.add(cls)
         per_class[cls] = _parse_recipe(recipe)
     return MethodSpec(text.strip(), per_class["full"], per_class["sliding"])

@@ -20,14 +20,14 @@ def read_text_file(path: str | Path, what: str, max_bytes: int) -> str:
         raise ValueError(f"{what}: {path} does not exist") from None
     except OSError as exc:
         raise ValueError(f"{what}: cannot open {path}: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    problem = ("is a directory, not a file" if stat.S_ISDIR(st.st_mode) else
+               "is not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"is {st.st_size:,} bytes, more than the {max_bytes:,} allowed" if st.st_size > max_bytes else None)
+    if problem:
+        os.close(fd)
+        raise ValueError(f"{what}: {path} {problem}")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise ValueError(f"{what}: {path} is a directory, not a file")
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{what}: {path} is not a regular file")
-        if st.st_size > max_bytes:
-            raise ValueError(f"{what}: {path} is {st.st_size:,} bytes, more than the {max_bytes:,} allowed")
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"{what}: {path} grew past the {max_bytes:,} bytes allowed while being read")

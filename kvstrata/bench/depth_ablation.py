@@ -108,14 +108,14 @@ def plot_modes(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def report_section(out) -> str:
+def report_section(out, skip_bad: bool = False) -> str:
     """The report's ablation section from `out/depth-ablation/results.jsonl` ('' if not run)."""
     from kvstrata.bench.report import _f, load_rows, summarise
 
     path = Path(out) / SUBDIR
     if not (path / "results.jsonl").exists():
         return ""
-    rows = load_rows(path)
+    rows = load_rows(path, skip_bad)
     lines = ["## FreqDepthKV ablation\n",
              "Each knob of depth sharing on its own, on the benchmark's single-needle and fidelity cells "
              "(`kvstrata depth-ablation --model MODEL --length L --n N --out DIR`). Modes: `shared` keeps only the F "

@@ -11,6 +11,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvstrata.bench.peers import compare
+from kvstrata.bench.rows import read_rows
 from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL
 
 FAMILY_COLOURS = {"reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
@@ -18,17 +19,16 @@ FAMILY_COLOURS = {"reference": "black", "quantization": "tab:blue", "eviction": 
 USABLE = 0.5  # a task the uncompressed reference scores below this on is not used to rank methods
 
 
-def load_rows(out: Path) -> list[dict]:
+def load_rows(out: Path, skip_bad: bool = False) -> list[dict]:
+    """The rows of `out/results.jsonl`; bad rows refused (`rows.BadRows`) unless `skip_bad`."""
+    return _load(out, skip_bad)[0]
+
+
+def _load(out: Path, skip_bad: bool) -> tuple[list[dict], int]:
     path = out / "results.jsonl"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{out} holds no benchmark results ({path.name} is missing): run `kvstrata bench --out {out}` first")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    return read_rows(path, skip_bad)
 
 
 def _avg(values):
@@ -200,9 +200,10 @@ def plots(summary: dict, out: Path) -> list[Path]:
     return paths
 
 
-def write_report(out: Path) -> Path:
-    """Write report.md, plot_*.png and report.html into `out`; returns the Markdown path."""
-    rows = load_rows(out)
+def write_report(out: Path, skip_bad: bool = False) -> Path:
+    """Write report.md, plot_*.png and report.html into `out`; returns the Markdown path. Bad rows
+    of results.jsonl are refused, or with `skip_bad` left out and their number stated."""
+    rows, skipped = _load(out, skip_bad)
     if not rows:
         raise ValueError(f"{out}/results.jsonl has no rows")
     summary = summarise(rows)
@@ -211,8 +212,10 @@ def write_report(out: Path) -> Path:
     from kvstrata.bench import depth_ablation, sparse_frontier, v41_prefill
 
     peers = compare.section(summary, rows)
-    md = ["# kvstrata benchmark report\n", _protocol_note(meta), markdown(summary), peers,
-          sparse_frontier.report_section(rows, out), depth_ablation.report_section(out), v41_prefill.report_section(out)]
+    note = _protocol_note(meta) + (f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n"
+                                   if skipped else "")
+    md = ["# kvstrata benchmark report\n", note, markdown(summary), peers, sparse_frontier.report_section(rows, out),
+          depth_ablation.report_section(out, skip_bad), v41_prefill.report_section(out)]
     sections = "\n".join(md[2:])
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]

@@ -42,9 +42,14 @@ def _compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
 def replay_and_ttft(model, tok, tokens: int, windows=(1, 2, 4), method: str = "bf16", block: int = 256, root: Path | None = None) -> dict:
     from kvstrata.bench.haystack import natural_ids
 
+    windows = [w for c, w in layer_classes(model.config) if c == "sliding"]
+    if not windows:
+        raise ValueError("store-bench needs a model with sliding-window layers (e.g. gemma3-270m)")
+    if tokens < 2 * block:
+        raise ValueError(f"--tokens: {tokens} is fewer than two {block}-token blocks")
     ids = natural_ids(tok, tokens + 32, seed=7)
     prompt, cont = ids[:tokens], ids[tokens : tokens + 32]
-    window = max(w for c, w in layer_classes(model.config) if c == "sliding")
+    window = max(windows)
     root = Path(root or tempfile.mkdtemp(prefix="kvstrata-store-"))
     out = {"tokens": len(prompt), "window": window, "method": method, "block": block, "replay": [], "ttft": {}}
     store = KVStore(DiskTier(root / "global", 1 << 34), MemoryTier(1 << 33))

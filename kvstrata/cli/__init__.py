@@ -6,28 +6,38 @@ import argparse
 import sys
 
 from kvstrata.cli import commands as c
+from kvstrata.cli.inputs import BIG, float_in, int_in, nonempty
+
+SEED = int_in(0, 2**32 - 1)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line `kvstrata: error: ...` and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"kvstrata: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvstrata", description="KV-cache compression, measured on real models.")
+    p = Parser(prog="kvstrata", description="KV-cache compression, measured on real models.")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache")
     g.add_argument("--model", required=True, help="smollm2-135m, gemma3-270m, or a local model directory")
-    g.add_argument("--method", default="bf16", help="method spec, e.g. nvfp4:r=64 or nvfp4;sliding=fp8")
+    g.add_argument("--method", default="bf16", type=nonempty, help="method spec, e.g. nvfp4:r=64 or nvfp4;sliding=fp8")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-file")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    src.add_argument("--prompt", type=nonempty)
+    src.add_argument("--prompt-file", help="a UTF-8 text file (at most 16 MiB)")
+    g.add_argument("--max-new-tokens", type=int_in(1, BIG), default=32, help="with the prompt, within the model's context")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=c.cmd_generate)
 
     pk = sub.add_parser("passkey", help="answer a long-context passkey prompt through compressed caches")
     pk.add_argument("--model", required=True)
-    pk.add_argument("--methods", default="bf16|nvfp4|mxfp4", help="'|'-separated method specs")
-    pk.add_argument("--tokens", type=int, default=4000)
-    pk.add_argument("--depth", type=float, default=0.5)
-    pk.add_argument("--seed", type=int, default=0)
+    pk.add_argument("--methods", default="bf16|nvfp4|mxfp4", type=nonempty, help="'|'-separated method specs")
+    pk.add_argument("--tokens", type=int_in(128, BIG), default=4000, help="context length, within the model's")
+    pk.add_argument("--depth", type=float_in(0, 1), default=0.5, help="relative position of the needle, 0..1")
+    pk.add_argument("--seed", type=SEED, default=0)
     pk.set_defaults(func=c.cmd_passkey)
 
     b = sub.add_parser("bench", help="run the benchmark (resumable) and write its report")
@@ -40,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "qcache:<quanto|hqq>:int<2|4> (transformers' QuantizedCache)")
     b.add_argument("--tasks", help="comma-separated tasks: single,multikey,multivalue,multiquery,vartrack,fidelity")
     b.add_argument("--lengths", help="comma-separated context lengths in tokens (default 2048)")
-    b.add_argument("--n", type=int, help="instances per task and length (default 20)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--n", type=int_in(1, 100_000), help="instances per task and length (default 20)")
+    b.add_argument("--seed", type=SEED, default=0)
     b.add_argument("--haystack", default="noise", choices=("noise", "natural"))
     b.add_argument("--out", default="runs/bench")
     b.add_argument("--quick", action="store_true", help="SmolLM2-135M, 2k, 2 instances per task, 7 methods (< 10 min)")
@@ -49,13 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
     rp.add_argument("dir")
+    rp.add_argument("--skip-bad", action="store_true", help="leave out malformed rows of results.jsonl (counted in the "
+                    "report) instead of refusing the file")
     rp.set_defaults(func=c.cmd_report)
 
     a = sub.add_parser("accounting", help="bytes per token, per layer: a V4.1 preset or an HF model + method")
     a.add_argument("--preset", help="v41-flash, v4-flash or tiny-v41")
     a.add_argument("--model", help="a known model or a local model directory")
     a.add_argument("--method", default="bf16")
-    a.add_argument("--tokens", type=int, default=4096, help="context length for HF accounting")
+    a.add_argument("--tokens", type=int_in(1, BIG), default=4096, help="context length for HF accounting")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=c.cmd_accounting)
 
@@ -66,58 +78,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     sb = sub.add_parser("store-bench", help="persistent-store evidence: replay error, TTFT, tier throughput")
     sb.add_argument("--model", default="gemma3-270m")
-    sb.add_argument("--tokens", type=int, default=8192)
+    sb.add_argument("--tokens", type=int_in(64, BIG), default=8192, help="prompt length, within the model's context")
     sb.add_argument("--method", default="bf16")
     sb.add_argument("--out", default="docs/results/store")
     sb.set_defaults(func=c.cmd_store_bench)
 
     ds = sub.add_parser("depth-similarity", help="adjacent-layer KV similarity per head (heat maps)")
     ds.add_argument("--model", default="smollm2-135m,gemma3-270m")
-    ds.add_argument("--tokens", type=int, default=2048)
-    ds.add_argument("--group", type=int, default=4)
+    ds.add_argument("--tokens", type=int_in(16, BIG), default=2048)
+    ds.add_argument("--group", type=int_in(2, 64), default=4)
     ds.add_argument("--out", default="docs/results/depth")
     ds.set_defaults(func=c.cmd_depth_similarity)
 
     da = sub.add_parser("depth-ablation", help="FreqDepthKV's G / F / r / tolerance / normalisation swept in the bench")
     da.add_argument("--model", default="smollm2-135m")
-    da.add_argument("--length", type=int, default=2048)
-    da.add_argument("--n", type=int, default=3, help="instances per task")
+    da.add_argument("--length", type=int_in(64, BIG), default=2048)
+    da.add_argument("--n", type=int_in(1, 100_000), default=3, help="instances per task")
     da.add_argument("--methods", help="comma-separated specs (default: the built-in grid, bf16 first)")
     da.add_argument("--out", default="docs/results", help="bench directory; rows go to OUT/depth-ablation")
     da.set_defaults(func=c.cmd_depth_ablation)
 
     ch = sub.add_parser("chat", help="multi-turn session over the persistent store: hit / replay / miss per turn")
     ch.add_argument("--model", default="gemma3-270m")
-    ch.add_argument("--method", default="nvfp4;sliding=fp8")
-    ch.add_argument("--script", help="file of turns separated by lines of '---' (default: one turn per stdin line)")
+    ch.add_argument("--method", default="nvfp4;sliding=fp8", type=nonempty)
+    ch.add_argument("--script", help="UTF-8 file of turns separated by lines of '---' (default: one turn per stdin line)")
     ch.add_argument("--config", help="store TOML ([store] table); env KVSTRATA_STORE_* also apply")
-    ch.add_argument("--tenant", default="default")
-    ch.add_argument("--max-new-tokens", type=int, default=32)
-    ch.add_argument("--forget-swa-before", type=int, nargs="*", help="turn numbers before which the SWA pool is emptied")
+    ch.add_argument("--tenant", default="default", type=nonempty)
+    ch.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=32)
+    ch.add_argument("--forget-swa-before", type=int_in(1, BIG), nargs="*", help="turn numbers before which the SWA pool is emptied")
     ch.set_defaults(func=c.cmd_chat)
 
     to = sub.add_parser("topk-overlap", help="top-k overlap between layers (evidence for Reuse schedules)")
     to.add_argument("--model", default="smollm2-135m,gemma3-270m")
-    to.add_argument("--tokens", type=int, default=4096)
-    to.add_argument("--k", type=int, default=256)
+    to.add_argument("--tokens", type=int_in(16, BIG), default=4096)
+    to.add_argument("--k", type=int_in(1, BIG), default=256, help="at most --tokens")
     to.add_argument("--out", default="docs/results/read")
     to.set_defaults(func=c.cmd_topk_overlap)
 
     vp = sub.add_parser("v41-prefill", help="V4.1 half-depth (CED) prefill time vs the same-size full-depth model")
     vp.add_argument("--preset", default="small-v41")
-    vp.add_argument("--factor", type=int, default=16, help="prompt length in units of n_win")
-    vp.add_argument("--repeats", type=int, default=5)
+    vp.add_argument("--factor", type=int_in(1, 1024), default=16, help="prompt length in units of n_win")
+    vp.add_argument("--repeats", type=int_in(1, 1000), default=5)
     vp.add_argument("--out", help="write the measurement as JSON here")
     vp.set_defaults(func=c.cmd_v41_prefill)
 
     tr = sub.add_parser("train-ref", help="train the tiny V4.1 model and a same-size dense transformer on recall")
     tr.add_argument("--preset", default="tiny-v41")
-    tr.add_argument("--steps", type=int, default=1500)
-    tr.add_argument("--batch", type=int, default=32)
-    tr.add_argument("--seq-len", type=int, default=64)
-    tr.add_argument("--pairs", type=int, default=4)
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--eval-sequences", type=int, default=256)
+    tr.add_argument("--steps", type=int_in(1, 10**7), default=1500)
+    tr.add_argument("--batch", type=int_in(1, 1 << 16), default=32)
+    tr.add_argument("--seq-len", type=int_in(8, 1 << 16), default=64)
+    tr.add_argument("--pairs", type=int_in(1, 1024), default=4)
+    tr.add_argument("--seed", type=SEED, default=0)
+    tr.add_argument("--eval-sequences", type=int_in(1, 10**7), default=256)
     tr.add_argument("--override", help="JSON object of V41Config fields for both models, e.g. "
                     "'{\"layer_modes\": [\"full\", ...], \"compress\": [1, ...]}'")
     tr.add_argument("--out", default="runs/train-ref")
@@ -128,12 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def one_line(e: BaseException) -> str:
+    """The first line of an error's message (allocation failures said as such)."""
+    text = " ".join(next((ln for ln in str(e).splitlines() if ln.strip()), "").split()) or type(e).__name__
+    if isinstance(e, MemoryError) or "can't allocate memory" in text or type(e).__name__ == "OutOfMemoryError":
+        return f"out of memory ({text}): try a shorter input or fewer tokens"
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"kvstrata: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError, MemoryError) as e:
+        print(f"kvstrata: error: {one_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -39,10 +39,13 @@ def cmd_generate(args) -> int:
     from kvstrata.methods import parse_method
     from kvstrata.models import load
 
+    from kvstrata.cli.inputs import check_fits, prompt_text
+
     spec = parse_method(args.method)  # fail fast, before the model loads
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    prompt = prompt_text(args.prompt, args.prompt_file)
     model, tok = load(args.model)
     ids = tok(prompt, return_tensors="pt").input_ids
+    check_fits(model, ids.shape[1], args.max_new_tokens)
     g = generate(model, tok, ids, spec, args.max_new_tokens)
     if args.json:
         row = {
@@ -69,10 +72,14 @@ def cmd_passkey(args) -> int:
     from kvstrata.methods import parse_method
     from kvstrata.models import load
 
+    from kvstrata.cli.inputs import check_fits
+
     specs = [parse_method(m) for m in args.methods.split("|")]
+    _check_context(args.model, args.tokens, "--tokens")
     model, tok = load(args.model)
     p = passkey_prompt(tok, args.tokens, args.depth, seed=args.seed)
     ids = tok(p.context + p.question, return_tensors="pt").input_ids
+    check_fits(model, ids.shape[1], 8, "the passkey prompt", "the answer")
     print(f"{args.model}: {ids.shape[1]} tokens, needle {p.answer} at depth {args.depth}")
     for spec in specs:
         g = generate(model, tok, ids, spec, max_new_tokens=8)
@@ -81,6 +88,13 @@ def cmd_passkey(args) -> int:
         print(f"  {str(spec):<22} {'PASS' if ok else 'FAIL'}  answer={g.text.strip()[:24]!r:<28} "
               f"KV {g.kv_bytes_per_token:>9,.1f} B/token ({ratio:.2f}x smaller than bf16)", flush=True)
     return 0
+
+
+def parse_method_early(text: str) -> None:
+    """Refuse a bad method spec before any model loads."""
+    from kvstrata.methods import parse_method
+
+    parse_method(text)
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -112,6 +126,8 @@ def cmd_bench(args) -> int:
         name, _, own = m.partition("@")
         check_model(name)  # fail before any model loads
         pairs += [(name, _length(x, f"--model {m}")) for x in own.split("/")] if own else [(name, L) for L in lengths]
+    for name, L in pairs:
+        _check_context(name, L, "--lengths" if not args.model or "@" not in args.model else "--model")
     cfg = BenchConfig(
         models=tuple(p[0] for p in pairs),
         lengths=lengths,
@@ -155,10 +171,22 @@ def _split_methods(text: str) -> list[str]:
     return out
 
 
+def _check_context(model: str, tokens: int, flag: str) -> None:
+    """Refuse a length past the model's context, from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from kvstrata.models import resolve
+
+    config = AutoConfig.from_pretrained(resolve(model), local_files_only=True)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and tokens > limit:
+        raise ValueError(f"{flag}: {tokens:,} tokens exceed {model}'s context of {limit:,} tokens")
+
+
 def cmd_report(args) -> int:
     from kvstrata.bench.report import write_report
 
-    print(write_report(Path(args.dir)))
+    print(write_report(Path(args.dir), skip_bad=args.skip_bad))
     return 0
 
 
@@ -207,6 +235,8 @@ def cmd_store(args) -> int:
 def cmd_store_bench(args) -> int:
     from kvstrata.bench.store_evidence import run
 
+    parse_method_early(args.method)
+    _check_context(args.model, args.tokens + 32, "--tokens (+ 32 continuation tokens)")
     result = run(args.model, args.tokens, Path(args.out), args.method)
     print(json.dumps(result, indent=1))
     return 0
@@ -215,6 +245,8 @@ def cmd_store_bench(args) -> int:
 def cmd_depth_similarity(args) -> int:
     from kvstrata.bench.depth_similarity import run
 
+    for name in _csv(args.model):
+        _check_context(name, args.tokens, "--tokens")
     results = run(list(_csv(args.model)), args.tokens, args.group, Path(args.out))
     for name, r in results.items():
         mean = lambda rows: sum(map(sum, rows)) / sum(map(len, rows))  # noqa: E731
@@ -244,12 +276,19 @@ def cmd_chat(args) -> int:
     from kvstrata.place.chat import chat
     from kvstrata.place.serving import PrefixServer
 
+    from kvstrata.cli.inputs import SCRIPT_MAX_BYTES
+    from kvstrata.textfile import read_text_file
+
+    parse_method_early(args.method)
     cfg = StoreConfig.load(args.config)
+    script = read_text_file(args.script, "--script", SCRIPT_MAX_BYTES) if args.script else None
+    store = KVStore.from_config(cfg)
     model, tok = load(args.model)
-    server = PrefixServer(model, KVStore.from_config(cfg), args.method, block_size=cfg.block_size,
-                          tenant=args.tenant.encode())
-    source = Path(args.script).read_text().split("\n---\n") if args.script else (line for line in sys.stdin)
+    server = PrefixServer(model, store, args.method, block_size=cfg.block_size, tenant=args.tenant.encode())
+    source = script.split("\n---\n") if script is not None else (line for line in sys.stdin)
     turns = [t.strip() for t in source if t.strip()]
+    if script is not None and not turns:
+        raise ValueError(f"--script: {args.script} holds no turns")
     chat(model, tok, server, turns, args.max_new_tokens, set(args.forget_swa_before or []))
     return 0
 
@@ -257,6 +296,10 @@ def cmd_chat(args) -> int:
 def cmd_topk_overlap(args) -> int:
     from kvstrata.bench.topk_overlap import run
 
+    if args.k > args.tokens:
+        raise ValueError(f"--k: {args.k} is more than --tokens {args.tokens}")
+    for name in _csv(args.model):
+        _check_context(name, args.tokens, "--tokens")
     for name, r in run(list(_csv(args.model)), args.tokens, args.k, Path(args.out)).items():
         adj = r["adjacent"]
         print(f"{name}: mean top-{r['k']} overlap of adjacent full-attention layers {sum(adj) / max(len(adj), 1):.3f}")
@@ -282,9 +325,9 @@ def _overrides(text: str | None) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SystemExit(f"--override is not valid JSON ({exc.msg} at char {exc.pos}): {text!r}")
+        raise ValueError(f"--override is not valid JSON ({exc.msg} at char {exc.pos}): {text!r}") from None
     if not isinstance(value, dict):
-        raise SystemExit(f"--override must be a JSON object of V41Config fields, got {type(value).__name__}")
+        raise ValueError(f"--override must be a JSON object of V41Config fields, got {type(value).__name__}")
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Protocol
 
 import torch
@@ -54,6 +55,8 @@ def coerce_params(cls, params: dict[str, str], where: str) -> dict:
                 out[key] = raw.lower() in ("1", "true")
             else:
                 out[key] = kind(raw)
+                if kind is float and not math.isfinite(out[key]):
+                    raise ValueError
         except ValueError:
             raise ValueError(f"{where}: parameter {key}={raw!r} is not a valid {kind.__name__}") from None
     return out

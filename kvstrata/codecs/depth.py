@@ -50,10 +50,11 @@ class FreqDepth:
         return encode_block(k, v, state["modes"], self, codec, queries)
 
     def __post_init__(self):
-        if self.g < 2 or not 1 <= self.f < self.g:
-            raise ValueError(f"depth: need g >= 2 and 1 <= f < g, got g={self.g}, f={self.f}")
-        if not 0.0 <= self.r <= 1.0 or self.tol < 0 or self.block < 1:
-            raise ValueError(f"depth: need 0 <= r <= 1, tol >= 0, block >= 1 (got r={self.r}, tol={self.tol}, block={self.block})")
+        if not 2 <= self.g <= 64 or not 1 <= self.f < self.g:
+            raise ValueError(f"depth: need 2 <= g <= 64 and 1 <= f < g, got g={self.g}, f={self.f}")
+        if not 0.0 <= self.r <= 1.0 or not 0 <= self.tol <= 1e6 or not 1 <= self.block <= 65536:
+            raise ValueError(f"depth: need 0 <= r <= 1, 0 <= tol <= 1e6, 1 <= block <= 65536 "
+                             f"(got r={self.r}, tol={self.tol}, block={self.block})")
         if self.mode not in ("probe", *MODES):
             raise ValueError(f"depth: mode must be probe, {', '.join(MODES)} (got {self.mode!r})")
 

@@ -23,8 +23,8 @@ class FP8:
     summary: ClassVar[str] = "FP8 E4M3, 8 bits per element + one fp32 scale per block (block=0: per token)"
 
     def __post_init__(self):
-        if self.block < 0:
-            raise ValueError(f"fp8: block must be >= 0, got {self.block}")
+        if not 0 <= self.block <= 4096:
+            raise ValueError(f"fp8: block must be in [0, 4096] (0 = one scale per row), got {self.block}")
 
     def encode(self, x: torch.Tensor) -> QTensor:
         check_finite(x, self.name)

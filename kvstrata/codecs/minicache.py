@@ -29,8 +29,8 @@ class MiniCache:
     summary: ClassVar[str] = "MiniCache: SLERP-merge adjacent layers' KV directions (deeper half), magnitudes kept"
 
     def __post_init__(self):
-        if not 0.0 <= self.start < 1.0 or not 0.0 <= self.t <= 1.0 or not 0.0 <= self.gamma <= 1.0 or self.block < 1:
-            raise ValueError(f"minicache: need 0 <= start < 1, 0 <= t <= 1, 0 <= gamma <= 1, block >= 1; got {self}")
+        if not 0.0 <= self.start < 1.0 or not 0.0 <= self.t <= 1.0 or not 0.0 <= self.gamma <= 1.0 or not 1 <= self.block <= 65536:
+            raise ValueError(f"minicache: need 0 <= start < 1, 0 <= t <= 1, 0 <= gamma <= 1, 1 <= block <= 65536; got {self}")
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, queries, codec: str, state: dict) -> "MergedBlock":
         """`k, v: [2, b, h, T, d]` -> MergedBlock."""

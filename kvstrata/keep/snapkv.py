@@ -33,8 +33,9 @@ class SnapKV:
 
     def __post_init__(self):
         check_fraction(self.name, self.keep)
-        if self.window < 1 or self.pool < 1 or self.pool % 2 == 0:
-            raise ValueError(f"snapkv: window must be >= 1 and pool a positive odd number, got {self.window}, {self.pool}")
+        if not 1 <= self.window <= 65536 or not 1 <= self.pool <= 255 or self.pool % 2 == 0:
+            raise ValueError(f"snapkv: window must be in [1, 65536] and pool an odd number in [1, 255], "
+                             f"got {self.window}, {self.pool}")
 
     def select(self, keys: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         if scores is None:

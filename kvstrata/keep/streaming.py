@@ -20,8 +20,8 @@ class StreamingLLM:
 
     def __post_init__(self):
         check_fraction(self.name, self.keep)
-        if self.sinks < 0:
-            raise ValueError(f"streaming: sinks must be >= 0, got {self.sinks}")
+        if not 0 <= self.sinks <= 1 << 24:
+            raise ValueError(f"streaming: sinks must be in [0, {1 << 24}], got {self.sinks}")
 
     def select(self, keys: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         b, h, n, _ = keys.shape

@@ -33,10 +33,14 @@ def chat(model, tokenizer, server: PrefixServer, turns: Iterable[str], max_new_t
     """Run `turns` as one conversation; returns one record per turn."""
     history: list[int] = []
     log = []
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     for n, text in enumerate(turns, 1):
         if n in forget_swa_before:  # as if the SWA TTL ran out while the user was away
             server.store.swa_tier.clear()
         ids = history + tokenizer(("" if not history else "\n") + text, add_special_tokens=not history).input_ids
+        if limit and len(ids) + max_new_tokens > limit:
+            raise ValueError(f"turn {n}: the conversation is {len(ids):,} tokens; with {max_new_tokens} new tokens "
+                             f"(--max-new-tokens) it exceeds the model's context of {limit:,} tokens")
         served = server.serve(ids)
         t0 = time.perf_counter()
         answer = reply(model, tokenizer, served, max_new_tokens)

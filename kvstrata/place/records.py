@@ -49,9 +49,14 @@ def _namespace(ns: bytes) -> bytes:
 def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, str], *, key: str, secret: bytes,
                   klass: str = "global", namespace: bytes = b"") -> bytes:
     """Sign `tensors` + string `meta` as the record of `key` in `klass` (global | swa) and `namespace`."""
+    payload = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={k: str(v) for k, v in meta.items()})
+    return seal(payload, key=key, secret=secret, klass=klass, namespace=namespace)
+
+
+def seal(payload: bytes, *, key: str, secret: bytes, klass: str = "global", namespace: bytes = b"") -> bytes:
+    """Header + HMAC around raw `payload` bytes (`encode_record` seals a safetensors blob)."""
     if klass not in CLASSES:
         raise ValueError(f"record class must be one of {CLASSES}, got {klass!r}")
-    payload = st_save({k: v.contiguous() for k, v in tensors.items()}, metadata={k: str(v) for k, v in meta.items()})
     head = _HEAD.pack(MAGIC, VERSION, CLASSES.index(klass), 0, key_digest(key), _namespace(namespace), len(payload))
     return head + hmac.new(secret, head + payload, hashlib.sha256).digest() + payload
 

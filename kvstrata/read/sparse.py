@@ -25,6 +25,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from kvstrata.read.indexers import INDEXERS, held, hierarchical, index_row_bytes, index_rows, key_basis, rows_scale, score
 
 NAME = "kvstrata_sparse"
+LIMIT = 1 << 24  # k, sinks, window: tokens, beyond any context we run
+MAX_REPEAT = 1024  # layers a schedule count may span
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,12 @@ class TopK:
     summary: ClassVar[str] = "top-k sparse decode reads (sinks + window + indexed top-k), Full/Reindex/Reuse schedule"
 
     def __post_init__(self):
-        if self.k < 1 or self.sinks < 0 or self.window < 1:
-            raise ValueError(f"topk: need k >= 1, sinks >= 0, window >= 1; got {self}")
+        if not 1 <= self.k <= LIMIT or not 0 <= self.sinks <= LIMIT or not 1 <= self.window <= LIMIT:
+            raise ValueError(f"topk: need 1 <= k <= {LIMIT}, 0 <= sinks <= {LIMIT}, 1 <= window <= {LIMIT}; got {self}")
         if self.indexer not in INDEXERS:
             raise ValueError(f"topk: unknown indexer {self.indexer!r} (known: {', '.join(INDEXERS)})")
-        if self.rank < 16 or self.rank % 16:
-            raise ValueError(f"topk: rank must be a positive multiple of 16 (NVFP4 blocks), got {self.rank}")
+        if not 16 <= self.rank <= 1024 or self.rank % 16:
+            raise ValueError(f"topk: rank must be a multiple of 16 (NVFP4 blocks) in [16, 1024], got {self.rank}")
         self.modes(1)
 
     def modes(self, n_layers: int) -> list[str]:
@@ -53,6 +55,9 @@ class TopK:
         parts = re.findall(r"([FRU])(\d+)", self.schedule.upper())
         if not parts or "".join(f"{m}{c}" for m, c in parts) != self.schedule.upper() or parts[0][0] != "F":
             raise ValueError(f"topk: schedule must look like F1R3 or F1U1R2 and start with F, got {self.schedule!r}")
+        if any(not 1 <= int(c) <= MAX_REPEAT for _, c in parts) or len(parts) > MAX_REPEAT:
+            raise ValueError(f"topk: each schedule count must be in [1, {MAX_REPEAT}] (at most {MAX_REPEAT} parts), "
+                             f"got {self.schedule!r}")
         pattern = [m for m, c in parts for _ in range(int(c))]
         return [pattern[i % len(pattern)] for i in range(n_layers)]
 

@@ -45,7 +45,7 @@ def test_train_ref_command_saves_both_models(tmp_path):
     assert V41ForCausalLM.from_pretrained(tmp_path / "v41").config.layer_modes[2] == "full"
 
 
-def test_train_ref_override_reaches_both_models_and_bad_json_is_refused(tmp_path):
+def test_train_ref_override_reaches_both_models_and_bad_json_is_refused(tmp_path, capsys):
     import pytest
 
     out = tmp_path / "v41" / "window16"
@@ -55,7 +55,6 @@ def test_train_ref_override_reaches_both_models_and_bad_json_is_refused(tmp_path
     assert json.loads((out / "train_ref.json").read_text())["config"]["overrides"] == {"sliding_window": 16}
     section = report_section(tmp_path)  # every run under DIR/v41 is reported, with the command that made it
     assert "overrides sliding_window" in section and """--override '{"sliding_window": 16}' --out DIR/v41/window16""" in section
-    with pytest.raises(SystemExit, match="not valid JSON"):
-        main([*args, "--override", "{sliding"])
-    with pytest.raises(SystemExit, match="JSON object"):
-        main([*args, "--override", "[1]"])
+    for bad, words in (("{sliding", "not valid JSON"), ("[1]", "JSON object"), ('{"nosuch": 1}', "unknown V41Config fields nosuch")):
+        assert main([*args, "--override", bad]) == 2
+        assert words in capsys.readouterr().err

@@ -38,6 +38,30 @@ class TrainConfig:
     #: V41Config fields to override on the preset (ablations: layer_modes, compress, ced, sliding_window)
     overrides: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        import inspect
+
+        from kvstrata.models.v41 import V41Config
+
+        for name in ("seq_len", "pairs", "vocab", "batch", "steps", "eval_sequences"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train-ref: {name} must be a positive whole number, got {value!r}")
+        if self.pairs > self.vocab:
+            raise ValueError(f"train-ref: pairs ({self.pairs}) must be <= vocab ({self.vocab}): keys are distinct")
+        if self.seq_len < 4 * self.pairs + 1:
+            raise ValueError(f"train-ref: seq_len ({self.seq_len}) must exceed 4 x pairs ({4 * self.pairs})")
+        if not isinstance(self.overrides, dict):
+            raise ValueError(f"train-ref: overrides must be a mapping of V41Config fields, got {type(self.overrides).__name__}")
+        known = set(inspect.signature(V41Config.__init__).parameters) - {"self", "kwargs"}
+        unknown = sorted(set(self.overrides) - known)
+        if unknown:
+            raise ValueError(f"--override: unknown V41Config fields {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        try:
+            preset(self.preset, **self.overrides)  # cheap: a config, no weights
+        except (TypeError, AttributeError) as exc:
+            raise ValueError(f"--override: {exc}") from None
+
 
 def _text_ids() -> list[int]:
     from kvstrata.bench.haystack import natural_paragraphs

@@ -1,0 +1,78 @@
+"""Checks of CLI input made before any work starts: bounded numbers (argparse types), prompt files,
+and prompts that must fit the model's context together with the tokens to generate.
+
+Every failure is a ValueError (or argparse's error) naming the flag and the problem; `kvstrata.cli.main`
+prints it as one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+PROMPT_MAX_BYTES = 16 << 20
+SCRIPT_MAX_BYTES = 4 << 20
+BIG = 10**9
+
+
+def int_in(lo: int, hi: int):
+    """argparse type: a whole number in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi:,}], got {text}")
+        return value
+
+    return parse
+
+
+def float_in(lo: float, hi: float):
+    """argparse type: a finite number in [lo, hi]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}], got {text}")
+        return value
+
+    return parse
+
+
+def nonempty(text: str) -> str:
+    """argparse type: text with something besides whitespace in it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
+    """`--prompt` or the UTF-8 text of `--prompt-file`; refused when empty."""
+    from kvstrata.textfile import read_text_file
+
+    flag = "--prompt-file" if prompt_file else "--prompt"
+    text = read_text_file(prompt_file, flag, PROMPT_MAX_BYTES) if prompt_file else prompt
+    if not text or not text.strip():
+        raise ValueError(f"{flag}: the prompt is empty")
+    return text
+
+
+def context_tokens(model) -> int:
+    """The longest sequence the model takes (its position embeddings)."""
+    text = model.config.get_text_config()
+    return int(getattr(text, "max_position_embeddings", 0) or 0) or BIG
+
+
+def check_fits(model, prompt_tokens: int, new_tokens: int, what: str = "the prompt",
+               new_what: str = "--max-new-tokens") -> None:
+    """Refuse a prompt without tokens, or one that with the tokens to generate exceeds the model's context."""
+    if prompt_tokens < 1:
+        raise ValueError(f"{what} has no tokens")
+    limit = context_tokens(model)
+    if prompt_tokens + new_tokens > limit:
+        raise ValueError(f"{what} is {prompt_tokens:,} tokens; with {new_tokens:,} new tokens ({new_what}) that "
+                         f"exceeds the model's context of {limit:,} tokens")
