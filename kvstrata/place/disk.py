@@ -81,8 +81,8 @@ class DiskTier:
             return None, None, None
         except OSError as exc:
             return None, None, "symbolic link (not followed)" if exc.errno == errno.ELOOP else exc.strerror
-        f = os.fdopen(fd, "rb", buffering=0)
         st = os.fstat(fd)
+        f = os.fdopen(fd, "rb", buffering=0, closefd=True) if stat.S_ISREG(st.st_mode) else _Closed(fd)
         return f, st, f.read(_HEAD.size) if stat.S_ISREG(st.st_mode) else b""
 
     def get(self, key: str) -> bytes | None:
@@ -227,6 +227,19 @@ class DiskTier:
         """What an operator needs to see: the root, capacity and every entry left alone, with why."""
         self._scan()
         return {"root": str(self.root), "capacity_bytes": self.capacity, "skipped": dict(sorted(self.skipped.items()))}
+
+
+class _Closed:
+    """A non-regular entry's descriptor: closed on exit, never read."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
 
 
 def _read_exactly(f, n: int) -> bytes | None:

@@ -44,17 +44,25 @@ def redis_major(binary: str) -> int:
 class RedisServer:
     """A real redis-server on 127.0.0.1, started and stopped by the tests."""
 
-    def __init__(self):
+    def __init__(self, *extra: str, password: str = ""):
         self.binary = redis_binary()
         self.port = free_port()
         self.proc = None
+        self.password = password
+        self.extra = list(extra) + (["--requirepass", password] if password else [])
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, password=self.password or None)
+
     def start(self):
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                *self.extra]
         if redis_major(self.binary) >= 7:  # DEBUG SLEEP (the slow-server test) is off by default from 7.0
             args += ["--enable-debug-command", "local"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -62,7 +70,7 @@ class RedisServer:
 
         for _ in range(100):
             try:
-                redis.Redis(port=self.port).ping()
+                self.client().ping()
                 return self
             except redis.exceptions.ConnectionError:
                 time.sleep(0.05)
@@ -79,6 +87,20 @@ def redis_server():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def start_redis():
+    """Start real redis-servers with extra arguments (`--maxmemory 2mb`, `password=`); all stopped after."""
+    started = []
+
+    def start(*extra: str, password: str = "") -> RedisServer:
+        started.append(RedisServer(*extra, password=password).start())
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 def redis_cli(server_binary: str) -> str:

@@ -100,3 +100,39 @@ def test_redis_down_still_answers(tiny_gemma, redis_server):
     down = s.serve(IDS)
     assert down.kind == "miss" and down.logits.shape[-1] == tiny_gemma.config.vocab_size
     assert store.global_tier.stats.errors > 0
+
+
+def _meta_mutations():
+    """Each takes (tensors, meta, L) with L a layer the record holds."""
+    return {
+        "wrong codec": lambda t, m, L: (t, {**m, "codec": "fp8"}),
+        "dtype not a dtype": lambda t, m, L: (t, {**m, f"{L}.k.dtype": "nn"}),
+        "dtype names a function": lambda t, m, L: (t, {**m, f"{L}.k.dtype": "zeros"}),
+        "shape not numbers": lambda t, m, L: (t, {**m, f"{L}.k.shape": "a,b"}),
+        "tokens not a number": lambda t, m, L: (t, {**m, f"{L}.tokens": "many"}),
+        "a layer missing": lambda t, m, L: ({k: v for k, v in t.items() if not k.startswith(f"{L}.")}, m),
+        "a tensor cut short": lambda t, m, L: ({k: v[..., :1] if k.startswith(f"{L}.k") else v for k, v in t.items()}, m),
+        "another layer's index": lambda t, m, L: ({k.replace(f"{L}.", "99.", 1) if k.startswith(f"{L}.") else k: v
+                                                   for k, v in t.items()}, m),
+        "no metadata": lambda t, m, L: (t, {}),
+    }
+
+
+@pytest.mark.parametrize("klass", ["global", "swa"])
+@pytest.mark.parametrize("mutation", list(_meta_mutations()))
+def test_resigned_record_that_does_not_decode_is_a_counted_miss(server, tiny_gemma, mutation, klass):
+    """The mutated record is signed with the store's own secret: only decoding can catch it."""
+    from kvstrata.place.records import encode_record
+
+    cold = server.serve(IDS)
+    tier = server.store.global_tier if klass == "global" else server.store.swa_tier
+    victim = sorted(tier.keys())[0]
+    tensors, meta = (server.store.get_global if klass == "global" else server.store.get_swa)(victim, server.ns)
+    tensors, meta = _meta_mutations()[mutation](tensors, meta, min(int(k.split(".")[0]) for k in tensors))
+    tier.put(victim, encode_record(tensors, meta, key=victim, secret=server.store.secret, klass=klass,
+                                   namespace=server.ns), ttl_s=None if klass == "global" else 300)
+    again = server.serve(IDS)  # never raises
+    assert tier.stats.corrupt == 1
+    assert again.kind in (("miss", "replay") if klass == "global" else ("replay",))
+    torch.testing.assert_close(again.logits, cold.logits, atol=0.5, rtol=0)
+    assert server.serve(IDS).kind == "hit"  # the block was recomputed and written back, verified
