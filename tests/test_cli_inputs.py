@@ -1,0 +1,180 @@
+"""Bad CLI input, command by command: exit code 2, one line `kvstrata: error: ...` naming the flag or
+field and the problem, no traceback, nothing done. Run in-process (`main`), a few through a real
+subprocess; cases that need a model use the tiny local ones."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cli import main
+from kvstrata.models.tiny import save_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def p(tmp_path_factory):
+    """Paths the cases refer to by name."""
+    d = tmp_path_factory.mktemp("inputs")
+    files = {"dir": d / "adir", "fifo": d / "fifo", "binary": d / "bad.bin", "blank": d / "blank.txt",
+             "llama": save_tiny(d / "tiny-llama", "llama"), "notastore": d / "notastore", "out": d / "out"}
+    files["dir"].mkdir()
+    os.mkfifo(files["fifo"])
+    files["binary"].write_bytes(b"\xff\xfe\x00abc")
+    files["blank"].write_text("  \n\t\n")
+    files["notastore"].mkdir()
+    (files["notastore"] / "notes.txt").write_text("mine")
+    for name, body in {
+        "bs": "block_size = 'abc'", "rc": "redis_cluster = 'false'", "cap": "global_capacity_gb = -1",
+        "ttl": "swa_ttl_seconds = '5m'", "nan": "retention_hours = nan", "unknown": "blok_size = 3",
+        "url": "redis_url = 'http://x'", "secret": "secret = 'xyz'", "toml": "block_size = = 3",
+        "share": "swa_ram_share = 2", "root": f"root = '{files['notastore']}'",
+    }.items():
+        files[name] = d / f"{name}.toml"
+        files[name].write_text(f"[store]\nroot = '{d / 'store'}'\n{body}\n" if name != "root" else f"[store]\n{body}\n")
+    files["badrows"] = d / "rows"
+    files["badrows"].mkdir()
+    (files["badrows"] / "results.jsonl").write_text('{"model": "m", "length": 2048, "task": "single", "ind\n[1, 2]\n')
+    return {k: str(v) for k, v in files.items()}
+
+
+GEN = ["generate", "--model", "{llama}"]
+CASES = [
+    ("topk F0", [*GEN, "--prompt", "hi", "--method", "topk:schedule=F0"], "schedule count"),
+    ("topk huge schedule", [*GEN, "--prompt", "hi", "--method", "topk:schedule=F1U2000000000"], "schedule count"),
+    ("topk k=0", [*GEN, "--prompt", "hi", "--method", "topk:k=0"], "topk: need 1 <= k"),
+    ("topk rank", [*GEN, "--prompt", "hi", "--method", "topk:rank=1600000000"], "rank must be"),
+    ("int4 group", [*GEN, "--prompt", "hi", "--method", "int4:group=1000000000"], "group must be"),
+    ("fp8 block", [*GEN, "--prompt", "hi", "--method", "fp8:block=1000000000"], "fp8: block must be"),
+    ("r huge", [*GEN, "--prompt", "hi", "--method", "nvfp4:r=100000000000"], "r must be"),
+    ("r not int", [*GEN, "--prompt", "hi", "--method", "nvfp4:r=1.5"], "r='1.5' is not an integer"),
+    ("depth tol nan", [*GEN, "--prompt", "hi", "--method", "depth:tol=nan"], "tol='nan'"),
+    ("depth g", [*GEN, "--prompt", "hi", "--method", "depth:g=100000000"], "depth: need 2 <= g"),
+    ("snapkv pool", [*GEN, "--prompt", "hi", "--method", "snapkv:pool=1001"], "pool"),
+    ("streaming sinks", [*GEN, "--prompt", "hi", "--method", "streaming:sinks=-1"], "sinks"),
+    ("class twice", [*GEN, "--prompt", "hi", "--method", "nvfp4;sliding=fp8;sliding=int4"], "'sliding' given twice"),
+    ("unknown method", [*GEN, "--prompt", "hi", "--method", "fp5"], "unknown method 'fp5'"),
+    ("empty method", [*GEN, "--prompt", "hi", "--method", " "], "argument --method: must not be empty"),
+    ("prompt-file dir", [*GEN, "--prompt-file", "{dir}"], "--prompt-file: {dir} is a directory"),
+    ("prompt-file /dev/zero", [*GEN, "--prompt-file", "/dev/zero"], "--prompt-file: /dev/zero is not a regular file"),
+    ("prompt-file fifo", [*GEN, "--prompt-file", "{fifo}"], "is not a regular file"),
+    ("prompt-file binary", [*GEN, "--prompt-file", "{binary}"], "not valid UTF-8"),
+    ("prompt-file missing", [*GEN, "--prompt-file", "{dir}/nope.txt"], "does not exist"),
+    ("prompt-file blank", [*GEN, "--prompt-file", "{blank}"], "--prompt-file: the prompt is empty"),
+    ("empty prompt", [*GEN, "--prompt", ""], "argument --prompt: must not be empty"),
+    ("huge max-new-tokens", [*GEN, "--prompt", "hi", "--max-new-tokens", "999999999999999999999"], "--max-new-tokens"),
+    ("negative max-new-tokens", [*GEN, "--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens"),
+    ("max-new-tokens past context", [*GEN, "--prompt", "hi", "--max-new-tokens", "4095"], "exceeds the model's context"),
+    ("prompt past context", [*GEN, "--prompt", "hi " * 5000, "--max-new-tokens", "2"], "exceeds the model's context"),
+    ("passkey tokens -5", ["passkey", "--model", "{llama}", "--tokens", "-5"], "argument --tokens"),
+    ("passkey depth 2.0", ["passkey", "--model", "{llama}", "--depth", "2.0"], "argument --depth"),
+    ("passkey depth nan", ["passkey", "--model", "{llama}", "--depth", "nan"], "argument --depth"),
+    ("passkey past context", ["passkey", "--model", "{llama}", "--tokens", "100000000"], "--tokens: 100,000,000"),
+    ("passkey bad method", ["passkey", "--model", "{llama}", "--methods", "bf16|fp5"], "unknown method 'fp5'"),
+    ("override unknown", ["train-ref", "--override", '{"nosuch": 1}', "--out", "{out}"], "unknown V41Config fields nosuch"),
+    ("override not object", ["train-ref", "--override", "[1]", "--out", "{out}"], "JSON object"),
+    ("override not JSON", ["train-ref", "--override", "{bad", "--out", "{out}"], "not valid JSON"),
+    ("train steps", ["train-ref", "--steps", "-1", "--out", "{out}"], "argument --steps"),
+    ("train pairs > vocab", ["train-ref", "--pairs", "100", "--seq-len", "512", "--out", "{out}"], "pairs (100)"),
+    ("train seq-len", ["train-ref", "--seq-len", "8", "--pairs", "4", "--out", "{out}"], "seq_len (8)"),
+    ("train preset", ["train-ref", "--preset", "nosuch", "--out", "{out}"], "unknown V4.1 preset"),
+    ("store config dir", ["store", "stats", "--config", "{dir}"], "--config: {dir} is a directory"),
+    ("store config /dev/zero", ["store", "stats", "--config", "/dev/zero"], "not a regular file"),
+    ("store config missing", ["store", "stats", "--config", "{dir}/none.toml"], "does not exist"),
+    ("block_size abc", ["store", "stats", "--config", "{bs}"], "block_size: expected an integer, got 'abc'"),
+    ("redis_cluster 'false'", ["store", "verify", "--config", "{rc}"], "redis_cluster: expected true or false"),
+    ("capacity -1", ["store", "stats", "--config", "{cap}"], "global_capacity_gb: must be > 0"),
+    ("ttl as text", ["store", "stats", "--config", "{ttl}"], "swa_ttl_seconds: expected a finite number"),
+    ("retention nan", ["store", "gc", "--config", "{nan}"], "retention_hours: expected a finite number"),
+    ("unknown setting", ["store", "stats", "--config", "{unknown}"], "unknown store settings: blok_size"),
+    ("redis_url scheme", ["store", "stats", "--config", "{url}"], "redis_url: expected a redis://"),
+    ("secret not hex", ["store", "stats", "--config", "{secret}"], "secret: the store secret must be hex"),
+    ("share > 1", ["store", "stats", "--config", "{share}"], "swa_ram_share: must be > 0"),
+    ("bad TOML", ["store", "stats", "--config", "{toml}"], "not valid TOML"),
+    ("root not a store", ["store", "verify", "--config", "{root}"], "has no .kvstrata-store marker"),
+    ("accounting tokens", ["accounting", "--model", "{llama}", "--tokens", "-5"], "argument --tokens"),
+    ("bench n", ["bench", "--n", "-1", "--out", "{out}"], "argument --n"),
+    ("bench task", ["bench", "--tasks", "nosuch", "--model", "{llama}", "--out", "{out}"], "unknown task 'nosuch'"),
+    ("bench length", ["bench", "--model", "{llama}@100000000", "--out", "{out}"], "exceed"),
+    ("topk-overlap k", ["topk-overlap", "--model", "{llama}", "--k", "0", "--out", "{out}"], "argument --k"),
+    ("topk-overlap k > tokens", ["topk-overlap", "--model", "{llama}", "--k", "99", "--tokens", "64", "--out", "{out}"],
+     "--k: 99 is more than --tokens 64"),
+    ("depth-similarity group", ["depth-similarity", "--model", "{llama}", "--group", "0"], "argument --group"),
+    ("depth-similarity tokens", ["depth-similarity", "--model", "{llama}", "--tokens", "100000", "--out", "{out}"],
+     "--tokens: 100,000 tokens exceed"),
+    ("v41-prefill factor", ["v41-prefill", "--factor", "0"], "argument --factor"),
+    ("v41-prefill preset", ["v41-prefill", "--preset", "nosuch"], "unknown V4.1 preset"),
+    ("chat bad config", ["chat", "--model", "{llama}", "--script", "{dir}", "--config", "{bs}"], "block_size"),
+    ("chat script is a dir", ["chat", "--model", "{llama}", "--script", "{dir}"], "--script: {dir} is a directory"),
+    ("chat max-new-tokens", ["chat", "--max-new-tokens", "0"], "argument --max-new-tokens"),
+    ("chat tenant", ["chat", "--tenant", ""], "argument --tenant: must not be empty"),
+    ("chat swa turn", ["chat", "--forget-swa-before", "0"], "argument --forget-swa-before"),
+    ("store-bench tokens", ["store-bench", "--tokens", "-1"], "argument --tokens"),
+    ("store-bench no sliding layers", ["store-bench", "--model", "{llama}", "--tokens", "512", "--out", "{out}"],
+     "needs a model with sliding-window layers"),
+    ("report bad rows", ["report", "{badrows}"], "results.jsonl: 2 bad row(s)"),
+    ("report missing dir", ["report", "{dir}/none"], "holds no benchmark results"),
+]
+
+
+def fill(args, p):
+    out = []
+    for a in args:
+        for name, path in p.items():
+            a = a.replace("{" + name + "}", path)
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("argv, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line_and_exit_2(p, capsys, monkeypatch, argv, words):
+    if "--config" not in argv:  # never the user's store (a config names its own root)
+        monkeypatch.setenv("KVSTRATA_STORE_ROOT", str(Path(p["out"]) / "store"))
+    try:
+        code = main(fill(argv, p))
+    except SystemExit as e:  # argparse's refusals exit from the parser
+        code = e.code
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("kvstrata")]
+    assert code == 2 and "Traceback" not in err
+    assert len(said) == 1 and said[0].startswith("kvstrata: error: ") and err.rstrip().endswith(said[0])
+    assert fill([words], p)[0] in said[0]
+    assert not Path(p["out"], "results.jsonl").exists() and not Path(p["out"], "train_ref.json").exists()
+
+
+def test_env_settings_are_checked_too(p, capsys, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_STORE_BLOCK_SIZE", "abc")
+    assert main(["store", "stats"]) == 2
+    assert capsys.readouterr().err == "kvstrata: error: KVSTRATA_STORE_BLOCK_SIZE: expected an integer, got 'abc'\n"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["generate", "--model", "{llama}", "--prompt-file", "/dev/zero"], "not a regular file"),
+    (["passkey", "--model", "{llama}", "--depth", "2.0"], "argument --depth"),
+    (["store", "verify", "--config", "{rc}"], "redis_cluster: expected true or false"),
+    (["report", "{badrows}"], "bad row(s)"),
+])
+def test_bad_input_through_the_real_entry_point(p, argv, words):
+    out = subprocess.run([sys.executable, "-c", "import sys; from kvstrata.cli import main; sys.exit(main())",
+                          *fill(argv, p)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "KVSTRATA_STORE_ROOT": p["out"] + "/store"})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("kvstrata: error: ") and fill([words], p)[0] in out.stderr
+
+
+def test_report_names_bad_rows_and_skips_them_only_when_asked(tmp_path, capsys):
+    good = (ROOT / "docs/results/results.jsonl").read_text().splitlines()[:40]
+    bad = ['{"model": "smollm2-135m", "length": 2048, "ta', "[1,2]", "{}", json.dumps({**json.loads(good[0]), "score": "abc"})]
+    (tmp_path / "results.jsonl").write_text("\n".join(good[:10] + bad[:2] + good[10:] + bad[2:]) + "\n")
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "results.jsonl") in err and "4 bad row(s)" in err
+    for line, why in ((11, "not JSON"), (12, "a JSON list"), (43, "field 'model'"), (44, "field 'score'")):
+        assert f"line {line}: {why}" in err
+    assert not (tmp_path / "report.md").exists()
+    assert main(["report", str(tmp_path), "--skip-bad"]) == 0
+    assert "**4 malformed row(s) of results.jsonl were skipped**" in (tmp_path / "report.md").read_text()
