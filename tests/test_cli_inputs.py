@@ -178,3 +178,13 @@ def test_report_names_bad_rows_and_skips_them_only_when_asked(tmp_path, capsys):
     assert not (tmp_path / "report.md").exists()
     assert main(["report", str(tmp_path), "--skip-bad"]) == 0
     assert "**4 malformed row(s) of results.jsonl were skipped**" in (tmp_path / "report.md").read_text()
+
+
+def test_allocation_failures_and_long_messages_are_one_clear_line():
+    from kvstrata.cli import one_line
+
+    assert one_line(MemoryError()).startswith("out of memory (MemoryError)")
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 8000000000000 bytes.\nmore detail")
+    assert one_line(cpu).startswith("out of memory ([enforce fail") and "\n" not in one_line(cpu)
+    assert one_line(ValueError("\n  first line  \nsecond")) == "first line"

@@ -15,32 +15,27 @@ SCRIPT_MAX_BYTES = 4 << 20
 BIG = 10**9
 
 
-def int_in(lo: int, hi: int):
-    """argparse type: a whole number in [lo, hi]."""
-    def parse(text: str) -> int:
+def _bounded(kind: type, lo, hi, what: str, fmt: str):
+    def parse(text: str):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi:,}], got {text}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if (kind is float and not math.isfinite(value)) or not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo:{fmt}}, {hi:{fmt}}], got {text}")
         return value
 
     return parse
+
+
+def int_in(lo: int, hi: int):
+    """argparse type: a whole number in [lo, hi]."""
+    return _bounded(int, lo, hi, "a whole number", ",")
 
 
 def float_in(lo: float, hi: float):
     """argparse type: a finite number in [lo, hi]."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{lo:g}, {hi:g}], got {text}")
-        return value
-
-    return parse
+    return _bounded(float, lo, hi, "a number", "g")
 
 
 def nonempty(text: str) -> str:

@@ -152,20 +152,23 @@ class DiskTier:
         self.stats.writes += 1
         return True
 
-    def _held(self, path: Path) -> int | None:
-        """Bytes the entry at `path` holds (0 when absent), or None when it is not ours."""
+    def _held(self, path: Path, count: bool = True) -> int | None:
+        """Bytes the entry at `path` holds (0 when absent), or None when it is not ours (noted in
+        `skipped`, and counted in `stats.skipped` when `count`)."""
         f, st, head = self._open(path)
         if f is None:
-            if head is not None:
-                self._skip(path.name, head)
-                return None
-            return 0
-        with f:
-            state, why = self._state(st, head)
-        if state == "foreign":
+            why = head
+        else:
+            with f:
+                why = self._state(st, head)
+            why = why[1] if why[0] == "foreign" else None
+        if why is None:
+            return st.st_size if f is not None else 0
+        if count:
             self._skip(path.name, why)
-            return None
-        return st.st_size
+        else:
+            self.skipped[path.name] = why
+        return None
 
     def _remove(self, key: str) -> None:
         path = self._path(key)
@@ -193,7 +196,7 @@ class DiskTier:
                 if why == "own":
                     continue
                 if why is None:
-                    held = self._held(self.root / entry.name)
+                    held = self._held(self.root / entry.name, count=False)
                     if held is None:
                         continue
                     found[entry.name[: -len(SUFFIX)]] = held
@@ -243,14 +246,15 @@ class _Closed:
 
 
 def _read_exactly(f, n: int) -> bytes | None:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    """`n` bytes from `f` (unbuffered), or None if the file ends first."""
+    parts, got = [], 0
     while got < n:
-        k = f.readinto(view[got:])
-        if not k:
+        chunk = f.read(n - got)
+        if not chunk:
             return None
-        got += k
-    return bytes(buf) if not f.read(1) else None
+        parts.append(chunk)
+        got += len(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _fsync_dir(root: Path) -> None:
