@@ -120,3 +120,15 @@ def test_swa_pool_in_memory_keeps_serving_while_redis_refuses(start_redis, tmp_p
     store = KVStore(tier, MemoryTier(1 << 20))
     assert store.get_global("a") is None and tier.stats.errors == 1  # NOAUTH: a counted miss while serving
     assert store.put_swa("s", BLOCK, {}) and store.get_swa("s") is not None
+
+
+def test_redis_copy_of_one_key_onto_another_is_a_counted_miss(start_redis, tmp_path):
+    server = start_redis()
+    store = KVStore.from_config(StoreConfig.load(config(tmp_path, server.url), env={}))
+    store.put_global("b0", BLOCK, {"block": "0"})
+    store.put_global("b2", BLOCK, {"block": "2"})
+    key = store.global_tier._key
+    server.client().copy(key("b0"), key("b2"), replace=True)  # a whole, validly signed record, wrong key
+    assert store.get_global("b2") is None and store.global_tier.stats.corrupt == 1
+    assert server.client().exists(key("b2")) == 0 and store.get_global("b0")[1] == {"block": "0"}
+    assert store.verify() == {"checked": 1, "corrupt_removed": 0, "gone": 0, "skipped": {}}
