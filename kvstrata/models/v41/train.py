@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from kvstrata.models.v41 import V41Cache, V41ForCausalLM, preset
+from kvstrata.text import natural_paragraphs
 
 KEY0, VALUE0 = 100, 300  # keys and values are drawn from their own id ranges (text ids are < 100)
 
@@ -38,10 +39,16 @@ class TrainConfig:
     #: V41Config fields to override on the preset (ablations: layer_modes, compress, ced, sliding_window)
     overrides: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        # a sequence is the pairs (2 tokens each), `seq_len - 4 * pairs` tokens of text, the pairs asked again
+        if self.pairs < 1 or self.seq_len < 4 * self.pairs:
+            raise ValueError(f"seq_len {self.seq_len} cannot hold {self.pairs} key-value pairs twice "
+                             f"(needs pairs >= 1 and seq_len >= 4 x pairs = {4 * self.pairs})")
+        if self.pairs > self.vocab:
+            raise ValueError(f"pairs {self.pairs} exceeds the {self.vocab} distinct keys")
+
 
 def _text_ids() -> list[int]:
-    from kvstrata.bench.haystack import natural_paragraphs
-
     text = " ".join(natural_paragraphs(0))
     return [min(max(ord(c) - 32, 0), 94) for c in text if ord(c) < 127]
 
