@@ -264,7 +264,7 @@ def cmd_chat(args) -> int:
                           tenant=args.tenant.encode())
     source = Path(args.script).read_text().split("\n---\n") if args.script else (line for line in sys.stdin)
     turns = [t.strip() for t in source if t.strip()]
-    chat(model, tok, server, turns, args.max_new_tokens, set(args.forget_swa_before or []))
+    chat(model, tok, server, turns, args.max_new_tokens, set(args.forget_swa_before or []), out=sys.stdout)
     return 0
 
 
