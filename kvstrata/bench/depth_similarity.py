@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from kvstrata.codecs.depth_dct import low_energy_share
 from kvstrata.hf.run import forward
+from kvstrata.text import natural_ids
 
 
 def layer_kv(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +61,6 @@ def plot(result: dict, title: str, path: Path) -> None:
 
 
 def run(model_names: list[str], tokens: int, group: int, out: Path) -> dict:
-    from kvstrata.bench.haystack import natural_ids
     from kvstrata.models import load
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,47 +1,60 @@
-"""Haystack text: RULER's repeated noise sentences, or natural text shipped with Python itself."""
+"""Needles in a haystack: a context of exactly the length asked, in the tokens a model is fed.
+
+The haystack text itself comes from `kvstrata.text` (noise sentences or natural prose, exact
+lengths); here needles are inserted between its pieces at chosen depths, and the haystack's length
+is adjusted until the whole context, head and needles and the tokenizer's special tokens included,
+is exactly `n_tokens` (joining texts can merge tokens across a joint, so the parts' counts do not
+simply add up).
+"""
 
 from __future__ import annotations
 
-import random
+from kvstrata.text import TextShortfall, count, haystack
 
-NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-def natural_paragraphs(seed: int = 0) -> list[str]:
-    """Paragraphs of real English prose from the standard library's `pydoc_data.topics`."""
-    from pydoc_data.topics import topics
-
-    paras = []
-    for key in sorted(topics):
-        for p in topics[key].split("\n\n"):
-            p = " ".join(p.split())
-            if len(p) > 200 and p[0].isalpha() and not p.startswith(("Changed in", "New in", "Added in")):
-                paras.append(p)
-    random.Random(seed).shuffle(paras)
-    return paras
+TRIES = 6  # budget corrections before the budgets around the last one are searched
 
 
-def filler(kind: str, n_tokens: int, count_tokens, seed: int = 0) -> list[str]:
-    """Sentences/paragraphs whose concatenation is about `n_tokens` long under `count_tokens`."""
-    if kind == "noise":
-        unit = [NOISE]
-    elif kind == "natural":
-        unit = natural_paragraphs(seed)
-    else:
-        raise ValueError(f"unknown haystack {kind!r} (known: noise, natural)")
-    per = max(1, count_tokens("".join(unit[:8])) / min(8, len(unit)))
-    out: list[str] = []
-    total = 0.0
-    i = 0
-    while total < n_tokens:
-        piece = unit[i % len(unit)] if kind == "noise" else unit[i % len(unit)] + "\n"
-        out.append(piece)
-        total += per
-        i += 1
-    return out
+def fed_tokens(tokenizer, text: str) -> int:
+    """Tokens of `text` as a model is fed it (the tokenizer's special tokens included)."""
+    return len(tokenizer(text).input_ids)
 
 
-def natural_ids(tokenizer, n_tokens: int, seed: int = 0) -> list[int]:
-    """About `n_tokens` token ids of natural prose (with the tokenizer's special tokens), cut to `n_tokens`."""
-    count = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-    return tokenizer("".join(filler("natural", n_tokens + 64, count, seed))).input_ids[:n_tokens]
+def special_tokens(tokenizer) -> int:
+    """Special tokens the tokenizer adds to every text (Gemma's BOS: 1; SmolLM2: 0)."""
+    return len(tokenizer("").input_ids)
+
+
+def place(tokenizer, n_tokens: int, head: str, needles: list[str], fractions: list[float], kind: str = "noise",
+          seed: int = 0, tail: str = "") -> tuple[str, list[float]]:
+    """(context, depths): `head`, then `kind` haystack with `needles` inserted in order at the piece
+    boundaries nearest the relative depths `fractions`; the context followed by `tail` (a question
+    fed in one piece with it) is exactly `n_tokens` fed tokens."""
+    parts = [head, *needles, tail]
+    fixed = special_tokens(tokenizer) + sum(count(tokenizer, p) for p in parts)
+    if n_tokens < fixed:
+        raise ValueError(f"{n_tokens} tokens cannot hold even the fixed text (head, needles, question): {fixed} tokens")
+    tried: dict[int, int] = {}
+
+    def attempt(budget: int) -> tuple[str, list[float]] | None:
+        pieces = haystack(kind, tokenizer, budget, seed)
+        cuts = [round(f * len(pieces)) for f in sorted(fractions)]
+        out, last = [head], 0
+        for cut, needle in zip(cuts, needles):
+            out += pieces[last:cut] + [needle]
+            last = cut
+        text = "".join(out + pieces[last:])
+        tried[budget] = fed_tokens(tokenizer, text + tail)
+        return (text, [c / max(len(pieces), 1) for c in cuts]) if tried[budget] == n_tokens else None
+
+    budget = n_tokens - fixed
+    for _ in range(TRIES):
+        if budget in tried or budget < 0:
+            break
+        if found := attempt(budget):
+            return found
+        budget += n_tokens - tried[budget]
+    for b in sorted(range(budget - 8, budget + 9), key=lambda b: abs(b - budget)):
+        if b >= 0 and b not in tried and (found := attempt(b)):
+            return found
+    closest = min(tried.values(), key=lambda g: abs(g - n_tokens))
+    raise TextShortfall(f"{kind} context", n_tokens, closest, "no haystack length makes the joined context exact")

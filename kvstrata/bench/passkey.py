@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvstrata.bench.haystack import filler
+from kvstrata.bench.haystack import place
 
 
 # Phrased so that base models (Gemma-3-270M) answer with the number, not a paraphrase.
@@ -21,14 +21,12 @@ class PasskeyPrompt:
 
 
 def passkey_prompt(tokenizer, n_tokens: int, depth: float = 0.5, seed: int = 0, haystack: str = "noise") -> PasskeyPrompt:
-    """A ~`n_tokens` context with the needle at relative `depth`, and the question asked after it."""
+    """The needle at relative `depth` in a context that, with the question after it, is exactly
+    `n_tokens` tokens as the model is fed them."""
     rng = random.Random(seed)
     key = str(rng.randint(10000, 99999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    count = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
     head = ("There is an important piece of information hidden inside a lot of irrelevant text. "
             "Find it and memorize it. I will quiz you about it.\n")
-    pieces = filler(haystack, n_tokens - count(head + needle) - 20, count, seed)
-    at = round(depth * len(pieces))
-    context = head + "".join(pieces[:at]) + needle + "".join(pieces[at:])
+    context, _ = place(tokenizer, n_tokens, head, [needle], [depth], haystack, seed, tail=QUESTION)
     return PasskeyPrompt(context, QUESTION, key, depth)

@@ -80,8 +80,29 @@ def summarise(rows: list[dict]) -> dict:
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in mr),
             }
         out[key] = {"methods": methods, "usable": usable, "tasks": tasks, "n": max(_count(rs, t) for t in tasks),
-                    "common": sorted(common - set(FIDELITY))}
+                    "common": sorted(common - set(FIDELITY)), "fed": fed_lengths(rs)}
     return out
+
+
+def fed_lengths(rows: list[dict]) -> dict[str, tuple[int, int]]:
+    """Min and max context tokens actually fed, for question tasks (context only; the question follows)
+    and for fidelity: the lengths the rows ran at, beside the nominal one they are filed under."""
+    out = {}
+    for kind, tasks in (("questions", RETRIEVAL + REASONING), ("fidelity", FIDELITY)):
+        fed = [r["context_tokens"] for r in rows if r["task"] in tasks and "context_tokens" in r]
+        if fed:
+            out[kind] = (min(fed), max(fed))
+    return out
+
+
+def _fed_note(fed: dict[str, tuple[int, int]]) -> str:
+    span = lambda lo, hi: f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"  # noqa: E731
+    parts = []
+    if "questions" in fed:
+        parts.append(f"{span(*fed['questions'])} tokens before the question (question tasks)")
+    if "fidelity" in fed:
+        parts.append(f"{span(*fed['fidelity'])} tokens before the continuation (fidelity)")
+    return f"Contexts fed: {'; '.join(parts)}.\n" if parts else ""
 
 
 def _reference_subsets(rs: list[dict], ref: list[dict]) -> list[dict]:
@@ -116,6 +137,7 @@ def markdown(summary: dict) -> str:
     for (model, length), s in summary.items():
         tasks = s["tasks"]
         lines.append(f"### {model}, {length} tokens ({s['n']} instances per task)\n")
+        lines.append(_fed_note(s["fed"]))
         unusable = [t for t, ok in s["usable"].items() if not ok]
         if unusable:
             lines.append(f"Tasks the uncompressed `bf16` reference scores below {USABLE:.0%} on (beyond this model; "

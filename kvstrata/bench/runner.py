@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from kvstrata.bench import protocol
 from kvstrata.bench.peers import is_peer, parse_peer, qcache
-from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL, TASKS, make_instance, score_answer, tag_failure
+from kvstrata.bench.tasks import (FIDELITY, REASONING, RETRIEVAL, TASKS, check_fed, make_instance, score_answer,
+                                  tag_failure)
 from kvstrata.hf.run import bf16_bytes_per_token
 from kvstrata.methods import parse_method
 
@@ -116,8 +117,9 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
 def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -> list[dict]:
     inst = make_instance(task, tok, length, index, cfg.seed, cfg.haystack)
     ids = tok(inst.context, return_tensors="pt").input_ids
+    base = cell_base(model, model_name, length, inst, ids.shape[1], None)  # refuses a context of the wrong length
     pre = protocol.prefill(model, ids)
-    base = cell_base(model, model_name, length, inst, pre.tokens, pre.seconds)
+    base["prefill_s"] = pre.seconds
     rows = []
     ref = None
     if task in FIDELITY:
@@ -147,11 +149,13 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
     return rows
 
 
-def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float) -> dict:
-    """The fields every method's row of one (model, length, task, instance) cell shares."""
+def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float | None) -> dict:
+    """The fields every method's row of one (model, length, task, instance) cell shares; `tokens` is
+    the context as fed, refused (ValueError) unless it fits the nominal `length` (`check_fed`)."""
+    check_fed(inst, length, tokens)
     task = inst.task
     return {"model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
-            "prefill_s": prefill_s,
+            "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens, "prefill_s": prefill_s,
             "kind": "retrieval" if task in RETRIEVAL else "reasoning" if task in REASONING else "fidelity",
             "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
             **{k: v for k, v in inst.meta.items() if k == "hops"}}

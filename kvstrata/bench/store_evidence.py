@@ -26,12 +26,24 @@ from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
 from kvstrata.place.serving import PrefixServer
 from kvstrata.place.store import KVStore
+from kvstrata.text import natural_ids
+
+
+BLOCK = 256  # tokens per stored block
+CONTINUATION = 32  # teacher-forced tokens after the prompt that each served cache is scored on
 
 
 def _continuation_logprobs(model, served, cont: list[int]) -> torch.Tensor:
+    """Log-probabilities `[len(cont), vocab]` of the prompt's next tokens, read from `served`'s cache."""
     first = torch.log_softmax(served.logits.float(), -1)
-    rest = forward(model, torch.tensor([cont[:-1]]), served.cache, logits_to_keep=len(cont) - 1)[0]
+    rest = forward(model, torch.tensor([cont[:-1]], dtype=torch.long), served.cache, logits_to_keep=len(cont) - 1)[0]
     return torch.cat([first, torch.log_softmax(rest.float(), -1)])
+
+
+def check_tokens(tokens: int, block: int) -> None:
+    """A prompt must fill at least one whole block (plus the token that yields the first logits) to be stored."""
+    if tokens <= block:
+        raise ValueError(f"--tokens {tokens}: the prompt must be longer than one {block}-token block to be stored")
 
 
 def _compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
@@ -39,17 +51,16 @@ def _compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
     return {"kl_mean": kl.mean().item(), "kl_first": kl[0].item(), "top1": (ref.argmax(-1) == got.argmax(-1)).float().mean().item()}
 
 
-def replay_and_ttft(model, tok, tokens: int, windows=(1, 2, 4), method: str = "bf16", block: int = 256, root: Path | None = None) -> dict:
-    from kvstrata.bench.haystack import natural_ids
-
-    windows = [w for c, w in layer_classes(model.config) if c == "sliding"]
-    if not windows:
-        raise ValueError("store-bench needs a model with sliding-window layers (e.g. gemma3-270m)")
-    if tokens < 2 * block:
-        raise ValueError(f"--tokens: {tokens} is fewer than two {block}-token blocks")
-    ids = natural_ids(tok, tokens + 32, seed=7)
-    prompt, cont = ids[:tokens], ids[tokens : tokens + 32]
-    window = max(windows)
+def replay_and_ttft(model, tok, tokens: int, windows=(1, 2, 4), method: str = "bf16", block: int = BLOCK, root: Path | None = None) -> dict:
+    """Serve a `tokens`-token prompt cold, warm and after an SWA miss (replays of `windows` sliding
+    windows); score each against the exact recompute over the 32 tokens that follow the prompt."""
+    sliding = [w for c, w in layer_classes(model.config) if c == "sliding"]
+    if not sliding:
+        raise ValueError("store-bench needs a model with sliding-window layers (their state is what a replay rebuilds)")
+    window = max(sliding)
+    check_tokens(tokens, block)
+    ids = natural_ids(tok, tokens + CONTINUATION, seed=7)
+    prompt, cont = ids[:tokens], ids[tokens:]
     root = Path(root or tempfile.mkdtemp(prefix="kvstrata-store-"))
     out = {"tokens": len(prompt), "window": window, "method": method, "block": block, "replay": [], "ttft": {}}
     store = KVStore(DiskTier(root / "global", 1 << 34), MemoryTier(1 << 33))
@@ -65,7 +76,8 @@ def replay_and_ttft(model, tok, tokens: int, windows=(1, 2, 4), method: str = "b
         server.n_win = w * window
         store.swa_tier.clear()
         rep = server.serve(prompt)
-        assert rep.kind == "replay"
+        if rep.kind != "replay":
+            raise RuntimeError(f"after the SWA pool was emptied the prompt was served as a {rep.kind}, not a replay")
         row = {"n_win": w * window, "windows": w, "computed_tokens": rep.computed_tokens, "ttft_s": rep.ttft_s,
                **_compare(ref, _continuation_logprobs(model, rep, cont))}
         out["replay"].append(row)
@@ -166,6 +178,7 @@ def trace_from_measurements(model, result: dict, method: str) -> dict:
 def run(model_name: str, tokens: int, out: Path, method: str = "bf16") -> dict:
     from kvstrata.models import load
 
+    check_tokens(tokens, BLOCK)  # before the model loads
     model, tok = load(model_name)
     result = {"model": model_name, **replay_and_ttft(model, tok, tokens, method=method)}
     size = 512 * 1024  # about one 256-token block of Gemma-3-270M global KV in bf16

@@ -13,13 +13,15 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from kvstrata.bench.haystack import filler
+from kvstrata.bench.haystack import place, special_tokens
+from kvstrata.text import count, prose_and_continuation
 
 RETRIEVAL = ("single", "multikey", "multivalue", "multiquery")
 REASONING = ("vartrack",)
 FIDELITY = ("fidelity",)
 TASKS = RETRIEVAL + REASONING + FIDELITY
 
+CONTINUATION = 64  # tokens of a fidelity instance's scored continuation
 HEAD = ("There is important information hidden inside a lot of irrelevant text. "
         "Find it and memorize it. I will quiz you about it.\n")
 
@@ -40,6 +42,8 @@ class Instance:
     questions: tuple[Question, ...] = ()
     continuation: str = ""  # fidelity only
     meta: dict = field(default_factory=dict)
+    question_tokens: int = 0  # the longest question's tokens: context + question = the nominal length
+    special_tokens: int = 0  # what the tokenizer adds in front of the context (Gemma's BOS)
 
     @property
     def uid(self) -> str:
@@ -55,97 +59,110 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(10000, 99999))
 
 
-def _place(tokenizer, n_tokens: int, needles: list[str], rng: random.Random, haystack: str, seed: int) -> tuple[str, list[float]]:
-    """Insert `needles` (in order) at random depths into ~`n_tokens` of haystack; return text and depths."""
-    count = lambda s: len(tokenizer(s, add_special_tokens=False).input_ids)  # noqa: E731
-    budget = n_tokens - count(HEAD) - sum(count(n) for n in needles) - 60
-    pieces = filler(haystack, max(budget, 10), count, seed)
-    cuts = sorted(rng.randint(0, len(pieces)) for _ in needles)
-    out, last = [HEAD], 0
-    for cut, needle in zip(cuts, needles):
-        out += pieces[last:cut] + [needle]
-        last = cut
-    out += pieces[last:]
-    return "".join(out), [c / max(len(pieces), 1) for c in cuts]
-
-
 def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0, haystack: str = "noise") -> Instance:
-    """Instance `index` of `task` at ~`n_tokens` context tokens; same inputs, same instance."""
-    rng = random.Random(f"{task}/{n_tokens}/{index}/{seed}")
-    if task == "single":
-        key = _number(rng)
-        needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-        ctx, depths = _place(tokenizer, n_tokens, [needle], rng, haystack, seed + index)
-        q = Question("\nWhat is the pass key? Answer with the number.\nThe pass key is", (key,))
-        return Instance(task, index, ctx, (q,), meta={"depths": depths})
-    if task == "multikey":
-        words = rng.sample(["apple", "river", "silver", "falcon", "maple", "harbor", "copper", "meadow"], 4)
-        nums = [_number(rng) for _ in words]
-        needles = [f"The special magic number for {w} is: {n}. " for w, n in zip(words, nums)]
-        rng.shuffle(needles)
-        ctx, depths = _place(tokenizer, n_tokens, needles, rng, haystack, seed + index)
-        target = rng.randrange(len(words))
-        q = Question(f"\nWhat is the special magic number for {words[target]}? Answer with the number.\n"
-                     f"The special magic number for {words[target]} is:", (nums[target],))
-        return Instance(task, index, ctx, (q,), meta={"depths": depths, "distractors": len(words) - 1})
-    if task == "multivalue":
-        word = _word(rng)
-        nums = [_number(rng) for _ in range(3)]
-        needles = [f"One of the special magic numbers for {word} is: {n}. " for n in nums]
-        ctx, depths = _place(tokenizer, n_tokens, needles, rng, haystack, seed + index)
-        q = Question(f"\nWhat are all the special magic numbers for {word}? List them.\n"
-                     f"The special magic numbers for {word} are:", tuple(nums), max_new_tokens=28)
-        return Instance(task, index, ctx, (q,), meta={"depths": depths})
-    if task == "multiquery":
-        words = rng.sample(["apple", "river", "silver", "falcon", "maple", "harbor", "copper", "meadow"], 2)
-        nums = [_number(rng) for _ in words]
-        needles = [f"The special magic number for {w} is: {n}. " for w, n in zip(words, nums)]
-        ctx, depths = _place(tokenizer, n_tokens, needles, rng, haystack, seed + index)
-        # asked at once: the model must produce both numbers in one answer
-        q = Question(f"\nWhat are the special magic numbers for {words[0]} and {words[1]}? "
-                     f"Answer with both numbers.\nThe special magic numbers for {words[0]} and {words[1]} are:",
-                     tuple(nums), max_new_tokens=24)
-        return Instance(task, index, ctx, (q,), meta={"depths": depths})
-    if task == "vartrack":
-        return _vartrack(tokenizer, n_tokens, index, rng, haystack, seed)
+    """Instance `index` of `task` at `n_tokens` tokens; same inputs, same instance.
+
+    A question task's context plus its longest question is exactly `n_tokens` fed tokens; a
+    fidelity context is exactly `n_tokens` text tokens (its continuation is scored, not asked)."""
     if task == "fidelity":
         return _fidelity(tokenizer, n_tokens, index, seed)
-    raise ValueError(f"unknown task {task!r} (known: {', '.join(TASKS)})")
+    rng, needles, questions, meta = draw(task, n_tokens, index, seed)
+    reserve = question_tokens(tokenizer, questions)
+    fractions = [rng.random() for _ in needles]
+    try:
+        ctx, depths = place(tokenizer, n_tokens - reserve, HEAD, needles, fractions, haystack, seed + index)
+    except ValueError as exc:
+        raise ValueError(f"{task} #{index} at {n_tokens} tokens (its question takes {reserve}): {exc}") from None
+    return Instance(task, index, ctx, tuple(questions), meta={**meta, "depths": depths},
+                    question_tokens=reserve, special_tokens=special_tokens(tokenizer))
+
+
+def draw(task: str, n_tokens: int, index: int, seed: int = 0):
+    """(rng, needles, questions, meta) of a question task's instance, drawn before its haystack."""
+    if task not in DRAW:
+        raise ValueError(f"unknown task {task!r} (known: {', '.join(TASKS)})")
+    rng = random.Random(f"{task}/{n_tokens}/{index}/{seed}")
+    return (rng, *DRAW[task](rng, index))
+
+
+def question_tokens(tokenizer, questions) -> int:
+    """Tokens of the longest question, as it is fed after the context (no special tokens)."""
+    return max((count(tokenizer, q.text) for q in questions), default=0)
+
+
+def _single(rng: random.Random, index: int):
+    key = _number(rng)
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    return [needle], [Question("\nWhat is the pass key? Answer with the number.\nThe pass key is", (key,))], {}
+
+
+def _multikey(rng: random.Random, index: int):
+    words = rng.sample(["apple", "river", "silver", "falcon", "maple", "harbor", "copper", "meadow"], 4)
+    nums = [_number(rng) for _ in words]
+    needles = [f"The special magic number for {w} is: {n}. " for w, n in zip(words, nums)]
+    rng.shuffle(needles)
+    target = rng.randrange(len(words))
+    q = Question(f"\nWhat is the special magic number for {words[target]}? Answer with the number.\n"
+                 f"The special magic number for {words[target]} is:", (nums[target],))
+    return needles, [q], {"distractors": len(words) - 1}
+
+
+def _multivalue(rng: random.Random, index: int):
+    word = _word(rng)
+    nums = [_number(rng) for _ in range(3)]
+    needles = [f"One of the special magic numbers for {word} is: {n}. " for n in nums]
+    q = Question(f"\nWhat are all the special magic numbers for {word}? List them.\n"
+                 f"The special magic numbers for {word} are:", tuple(nums), max_new_tokens=28)
+    return needles, [q], {}
+
+
+def _multiquery(rng: random.Random, index: int):
+    words = rng.sample(["apple", "river", "silver", "falcon", "maple", "harbor", "copper", "meadow"], 2)
+    nums = [_number(rng) for _ in words]
+    needles = [f"The special magic number for {w} is: {n}. " for w, n in zip(words, nums)]
+    # asked at once: the model must produce both numbers in one answer
+    q = Question(f"\nWhat are the special magic numbers for {words[0]} and {words[1]}? "
+                 f"Answer with both numbers.\nThe special magic numbers for {words[0]} and {words[1]} are:",
+                 tuple(nums), max_new_tokens=24)
+    return needles, [q], {}
 
 
 def _var(rng: random.Random) -> str:
     return "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
 
 
-def _vartrack(tokenizer, n_tokens, index, rng, haystack, seed) -> Instance:
+def _vartrack(rng: random.Random, index: int):
     """A chain X1 = value, X2 = X1, ... with `hops` links (1..4, by index), in order through the context."""
     hops = 1 + index % 4
     names = [_var(rng) for _ in range(hops + 1)]
     value = _number(rng)
     needles = [f"VAR {names[0]} = {value}. "] + [f"VAR {names[i + 1]} = VAR {names[i]}. " for i in range(hops)]
-    ctx, depths = _place(tokenizer, n_tokens, needles, rng, haystack, seed + index)
     main = Question(f"\nQuestion: Follow the assignments. What is the value of VAR {names[-1]}? Answer with the number.\n"
                     f"Answer: VAR {names[-1]} =", (value,))
     probes = [Question(f"\nQuestion: What is VAR {names[0]} assigned? Answer with the number.\nAnswer: VAR {names[0]} =",
                        (value,), role="probe")]
     probes += [Question(f"\nQuestion: Which variable is VAR {names[i + 1]} assigned from?\nAnswer: VAR {names[i + 1]} = VAR",
                         (names[i],), role="probe") for i in range(hops)]
-    return Instance("vartrack", index, ctx, (main, *probes), meta={"hops": hops, "depths": depths})
+    return needles, [main, *probes], {"hops": hops}
+
+
+DRAW = {"single": _single, "multikey": _multikey, "multivalue": _multivalue, "multiquery": _multiquery,
+        "vartrack": _vartrack}
 
 
 def _fidelity(tokenizer, n_tokens, index, seed) -> Instance:
-    """Natural prose: ~`n_tokens` of context, then a 64-token continuation scored token by token."""
-    from kvstrata.bench.haystack import natural_paragraphs
+    """Natural prose: exactly `n_tokens` of context, then the 64 tokens after it, scored token by token."""
+    ctx, cont = prose_and_continuation(tokenizer, n_tokens, CONTINUATION, seed + 1000 + index)
+    return Instance("fidelity", index, ctx, (), continuation=cont, special_tokens=special_tokens(tokenizer))
 
-    paras = natural_paragraphs(seed + 1000 + index)
-    text = "\n".join(paras)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    if len(ids) < n_tokens + 64:
-        text = (text + "\n") * (1 + (n_tokens + 64) // max(len(ids), 1))
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-    ctx = tokenizer.decode(ids[:n_tokens])
-    cont = tokenizer.decode(ids[n_tokens : n_tokens + 64])
-    return Instance("fidelity", index, ctx, (), continuation=cont)
+
+def check_fed(inst: Instance, length: int, fed: int) -> None:
+    """Refuse a context fed at `fed` tokens whose nominal length is `length` when they differ by more
+    than the instance's question and special tokens: its row would report a length it did not run at."""
+    slack = inst.question_tokens + inst.special_tokens
+    if abs(length - fed) > slack:
+        raise ValueError(f"{inst.uid} at length {length}: the context fed is {fed} tokens, {length - fed:+d} from "
+                         f"its nominal length, more than its question and special tokens ({slack}) allow")
 
 
 def score_answer(output: str, answers: tuple[str, ...]) -> float:

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from kvstrata.hf.probe import probing
 from kvstrata.hf.run import forward
 from kvstrata.read.indexers import exact
+from kvstrata.text import natural_ids
 
 
 def overlap_matrix(model, ids: torch.Tensor, k: int, queries: int = 8) -> tuple[list[int], torch.Tensor]:
@@ -50,7 +51,6 @@ def run(model_names: list[str], tokens: int, k: int, out: Path) -> dict:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvstrata.bench.haystack import natural_ids
     from kvstrata.models import load
 
     out.mkdir(parents=True, exist_ok=True)

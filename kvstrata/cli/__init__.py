@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "report) instead of refusing the file")
     rp.set_defaults(func=c.cmd_report)
 
+    cl = sub.add_parser("check-lengths", help="list a bench directory's rows not fed at their nominal length")
+    cl.add_argument("dir")
+    cl.add_argument("--drop", action="store_true", help="move them to DIR/short-rows.jsonl; rerunning their bench "
+                    "commands then redoes them")
+    cl.add_argument("--seed", type=int, help="the runs' seed (default: from DIR/meta.json)")
+    cl.set_defaults(func=c.cmd_check_lengths)
+
     a = sub.add_parser("accounting", help="bytes per token, per layer: a V4.1 preset or an HF model + method")
     a.add_argument("--preset", help="v41-flash, v4-flash or tiny-v41")
     a.add_argument("--model", help="a known model or a local model directory")

@@ -23,7 +23,7 @@ def cmd_methods(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from kvstrata.models import KNOWN_MODELS
+    from kvstrata.models import KNOWN_MODELS, TINY_MODELS
     from kvstrata.models.loader import COMPLETE_MARK, converted_path
 
     for m in KNOWN_MODELS.values():
@@ -31,6 +31,8 @@ def cmd_models(args) -> int:
         if (converted_path(m.name) / COMPLETE_MARK).exists():
             state += ", converted"
         print(f"{m.name:<14} {state}\n  {m.description}")
+    for t in TINY_MODELS.values():
+        print(f"{t.name:<14} built in: random weights for smoke tests, written on first use\n  {t.description}")
     return 0
 
 
@@ -190,6 +192,18 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_check_lengths(args) -> int:
+    from kvstrata.bench.lengths import MOVED, check, table
+    from kvstrata.models import load_tokenizer
+
+    off, total = check(Path(args.dir), load_tokenizer, args.drop, args.seed)
+    if off:
+        print(table(off))
+    where = f"; moved to {Path(args.dir) / MOVED}" if args.drop and off else ""
+    print(f"{len(off)} of {total} rows were fed a context their nominal length does not allow{where}")
+    return 0
+
+
 def cmd_accounting(args) -> int:
     from kvstrata import accounting
 
@@ -289,7 +303,7 @@ def cmd_chat(args) -> int:
     turns = [t.strip() for t in source if t.strip()]
     if script is not None and not turns:
         raise ValueError(f"--script: {args.script} holds no turns")
-    chat(model, tok, server, turns, args.max_new_tokens, set(args.forget_swa_before or []))
+    chat(model, tok, server, turns, args.max_new_tokens, set(args.forget_swa_before or []), out=sys.stdout)
     return 0
 
 

@@ -1,20 +1,24 @@
-"""`load(name_or_path)`: (model, tokenizer) for a known real model or a local HF directory.
+"""`load(name_or_path)`: (model, tokenizer) for a known real model, a tiny test model or a local HF directory.
 
 A known model's GGUF is dequantized once into a safetensors copy under the cache directory
-(`KVSTRATA_CACHE`, default `~/.cache/kvstrata`); later loads read that copy. Nothing touches a hub.
+(`KVSTRATA_CACHE`, default `~/.cache/kvstrata`); later loads read that copy. A tiny model
+(`tiny-llama`, `tiny-gemma3`) is written there on first use, and rewritten when its definition
+changes. Nothing touches a hub.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
 
-from kvstrata.models.registry import KNOWN_MODELS
+from kvstrata.models.registry import KNOWN_MODELS, TINY_MODELS
 
 COMPLETE_MARK = "kvstrata-converted.ok"
 
@@ -32,17 +36,31 @@ def converted_path(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
+def _install(target: Path, write: Callable[[Path], str]) -> Path:
+    """Fill `target` atomically: `write(tmp)` fills a temporary directory and returns the completion
+    mark's text; the directory then replaces `target`, so a half-written copy is never used."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        (tmp / COMPLETE_MARK).write_text(write(tmp))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def _convert(name: str) -> Path:
-    """Dequantize the GGUF once into safetensors; atomic: a half-written copy is never used."""
+    """Dequantize the GGUF once into safetensors."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     known = KNOWN_MODELS[name]
-    target = converted_path(name)
-    target.parent.mkdir(parents=True, exist_ok=True)
     gguf = known.gguf_path(cache_dir() / "gguf")
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> str:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # transformers marks GGUF-loaded models as quantized and refuses save_pretrained, although
@@ -55,30 +73,46 @@ def _convert(name: str) -> Path:
             model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
-        (tmp / COMPLETE_MARK).write_text(str(gguf))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        return str(gguf)
+
+    return _install(converted_path(name), write)
+
+
+def _tiny(name: str) -> Path:
+    """A tiny model's directory, written on first use and whenever its definition changed."""
+    from kvstrata.models.tiny import save_tiny, tiny_config
+
+    arch = TINY_MODELS[name].arch
+    stamp = "tiny " + hashlib.sha256(tiny_config(arch).to_json_string().encode()).hexdigest()
+    target = converted_path(name)
+    mark = target / COMPLETE_MARK
+    if mark.exists() and mark.read_text() == stamp:
+        return target
+
+    def write(tmp: Path) -> str:
+        save_tiny(tmp, arch)
+        return stamp
+
+    return _install(target, write)
 
 
 def check(name_or_path: str) -> None:
     """Raise a clear error unless `name_or_path` is a known model or a local model directory
     (cheap: converts nothing, so a long run can check its models before it starts)."""
-    if name_or_path.lower() in KNOWN_MODELS or (Path(name_or_path).expanduser() / "config.json").exists():
+    key = name_or_path.lower()
+    if key in KNOWN_MODELS or key in TINY_MODELS or (Path(name_or_path).expanduser() / "config.json").exists():
         return
-    raise FileNotFoundError(
-        f"{name_or_path!r} is neither a known model ({', '.join(KNOWN_MODELS)}) nor a local model directory with config.json"
-    )
+    raise FileNotFoundError(f"{name_or_path!r} is neither a known model ({', '.join([*KNOWN_MODELS, *TINY_MODELS])}) "
+                            "nor a local model directory with config.json")
 
 
 def resolve(name_or_path: str) -> Path:
-    """Directory to load from: a converted known model (converting on first use) or a local dir."""
+    """Directory to load from: a converted known model (converting on first use), a tiny model
+    (written on first use) or a local dir."""
     check(name_or_path)
     key = name_or_path.lower()
+    if key in TINY_MODELS:
+        return _tiny(key)
     if key not in KNOWN_MODELS:
         return Path(name_or_path).expanduser()
     path = converted_path(key)
@@ -93,6 +127,13 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32):
     set_threads()
     path = resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.eval()
-    return model, tok
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(name_or_path: str | Path):
+    """The tokenizer alone (the model's directory is prepared as `resolve` does; no weights are read)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(str(name_or_path)), local_files_only=True)

@@ -46,6 +46,25 @@ class ModelNotInstalled(RuntimeError):
         self.model = model
 
 
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny randomly initialised model (`kvstrata.models.tiny`) with a byte-level tokenizer, written
+    under the cache directory on first use: every command runs on it in seconds, which makes it the
+    model for smoke tests and for trying a command out. Its outputs are noise: never a result."""
+
+    name: str
+    arch: str  # kvstrata.models.tiny.ARCHES
+    description: str
+
+
+TINY_MODELS: dict[str, TinyModel] = {
+    m.name: m
+    for m in (
+        TinyModel("tiny-llama", "llama", "tiny random Llama (4 layers, 2 KV heads x 32, full attention; byte tokenizer)"),
+        TinyModel("tiny-gemma3", "gemma3", "tiny random Gemma-3 (4 layers: 3 sliding (16) + 1 global, 2 KV heads x 32; "
+                  "byte tokenizer)"),
+    )
+}
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {

@@ -16,7 +16,7 @@ METHODS = ("bf16", "depth:g=2,f=1,mode=shared", "depth:g=2,f=1,r=0.05,tol=0.3", 
 @pytest.fixture(scope="module")
 def ablation_dir(tmp_path_factory, tiny_llama):
     out = tmp_path_factory.mktemp("ablation")
-    cfg = depth_ablation.config("tiny-llama", 160, 1, out, METHODS)
+    cfg = depth_ablation.config("tiny-llama", 256, 1, out, METHODS)
     run(cfg, load_model=lambda name: (tiny_llama, byte_tokenizer()))
     return out
 
@@ -59,7 +59,7 @@ def test_report_section(ablation_dir):
 
 
 def out_png(out):
-    return out / depth_ablation.SUBDIR / "head_modes_tiny-llama_160.png"
+    return out / depth_ablation.SUBDIR / "head_modes_tiny-llama_256.png"
 
 
 def write_report_of(out):

@@ -60,7 +60,7 @@ def test_held_bytes_reaches_quantized_parts(tiny_llama, backend):
 @pytest.fixture(scope="module")
 def qcache_dir(tmp_path_factory, tiny_llama):
     out = tmp_path_factory.mktemp("peers")
-    cfg = BenchConfig(models=("tiny-llama",), lengths=(200,), n=1, tasks=("single", "fidelity"), methods=("bf16",),
+    cfg = BenchConfig(models=("tiny-llama",), lengths=(256,), n=1, tasks=("single", "fidelity"), methods=("bf16",),
                       peers=("qcache:hqq:int4", "qcache:quanto:int2"), out=out)
     run(cfg, load_model=lambda name: (tiny_llama, byte_tokenizer()))
     return out
@@ -80,13 +80,13 @@ def test_qcache_rows_share_the_instances_and_count_held_bytes(qcache_dir):
 
 
 def test_peer_failure_is_a_reported_row(tmp_path, tiny_gemma):
-    cfg = BenchConfig(models=("tiny-gemma",), lengths=(160,), n=1, tasks=("single",), methods=("bf16",),
+    cfg = BenchConfig(models=("tiny-gemma",), lengths=(256,), n=1, tasks=("single",), methods=("bf16",),
                       peers=("qcache:hqq:int4",), out=tmp_path)
     run(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     bad = [r for r in rows if r["method"] == "qcache:hqq:int4"]
     assert len(bad) == 1 and "only full attention" in bad[0]["error"] and bad[0]["score"] is None
-    assert set(summarise(rows)[("tiny-gemma", 160)]["methods"]) == {"bf16"}
+    assert set(summarise(rows)[("tiny-gemma", 256)]["methods"]) == {"bf16"}
     md = write_report(tmp_path).read_text()
     assert "### How peers failed" in md and "only full attention" in md
 

@@ -14,7 +14,7 @@ METHODS = ("bf16", "nvfp4", "int2:r=8,group=8", "streaming:keep=0.5", "snapkv:ke
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory, tiny_gemma):
     out = tmp_path_factory.mktemp("bench")
-    cfg = BenchConfig(models=("tiny-gemma",), lengths=(160,), n=2, methods=METHODS, out=out)
+    cfg = BenchConfig(models=("tiny-gemma",), lengths=(448,), n=2, methods=METHODS, out=out)
     run(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
     return out, cfg
 
@@ -53,7 +53,7 @@ def test_report_outputs(bench_dir):
     out, _ = bench_dir
     md = write_report(out).read_text()
     assert "| `nvfp4` |" in md and "tiny-gemma" in md
-    assert (out / "plot_tiny-gemma_160.png").stat().st_size > 1000
+    assert (out / "plot_tiny-gemma_448.png").stat().st_size > 1000
     html = (out / "report.html").read_text()
     assert html.startswith("<!doctype html>") and "data:image/png;base64," in html
 

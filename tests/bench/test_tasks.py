@@ -1,6 +1,6 @@
 import pytest
 
-from kvstrata.bench.tasks import TASKS, make_instance, score_answer, tag_failure
+from kvstrata.bench.tasks import TASKS, check_fed, make_instance, score_answer, tag_failure
 from kvstrata.models.tiny import byte_tokenizer
 
 TOK = byte_tokenizer()
@@ -20,9 +20,26 @@ def test_deterministic_and_seeded(task):
 
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("length", [800, 2000])
-def test_length_close_to_target(task, length):
+def test_context_and_question_fill_the_length_exactly(task, length):
     inst = make_instance(task, TOK, length, 0)
-    assert 0.85 * length <= n_tokens(inst.context) <= 1.05 * length
+    assert n_tokens(inst.context) + inst.question_tokens == length
+    assert inst.question_tokens == max((n_tokens(q.text) for q in inst.questions), default=0)
+    check_fed(inst, length, n_tokens(inst.context))  # what the runner checks before a row is written
+
+
+def test_a_context_of_the_wrong_length_is_refused():
+    inst = make_instance("single", TOK, 800, 0)
+    with pytest.raises(ValueError, match=r"single-0 at length 800: the context fed is 700 tokens, \+100"):
+        check_fed(inst, 800, 700)
+    check_fed(make_instance("fidelity", TOK, 800, 0), 800, 800)
+    with pytest.raises(ValueError, match="more than its question and special tokens"):
+        check_fed(make_instance("fidelity", TOK, 800, 0), 800, 801)
+
+
+@pytest.mark.parametrize("task", ["single", "multikey", "vartrack"])
+def test_a_length_too_short_for_the_needles_is_a_clear_error(task):
+    with pytest.raises(ValueError, match=f"{task} #0 at 200 tokens .* cannot hold even the fixed text"):
+        make_instance(task, TOK, 200, 0)
 
 
 @pytest.mark.parametrize("task", ["single", "multikey", "multivalue", "multiquery"])

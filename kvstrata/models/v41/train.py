@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from kvstrata.models.v41 import V41Cache, V41ForCausalLM, preset
+from kvstrata.text import natural_paragraphs
 
 KEY0, VALUE0 = 100, 300  # keys and values are drawn from their own id ranges (text ids are < 100)
 
@@ -64,8 +65,6 @@ class TrainConfig:
 
 
 def _text_ids() -> list[int]:
-    from kvstrata.bench.haystack import natural_paragraphs
-
     text = " ".join(natural_paragraphs(0))
     return [min(max(ord(c) - 32, 0), 94) for c in text if ord(c) < 127]
 

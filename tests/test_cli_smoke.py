@@ -1,0 +1,201 @@
+"""CLI smoke matrix: every subcommand with its documented example and a few other sizes (lengths
+that are and are not multiples of the store's 256-token block and of the codecs' 16/32-value
+blocks, 1k and 4k), on the built-in tiny models where a real one is too slow. Each case asserts
+the exit code and something real in what the command printed or wrote, so a documented command
+that crashes at another size is caught. Real-model cases are marked `integration`."""
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+TURNS = ROOT / "docs" / "examples" / "agent_turns.txt"
+
+
+@pytest.fixture(autouse=True)
+def store_root(tmp_path, monkeypatch):
+    """Commands that use the persistent store write under the test's own directory."""
+    monkeypatch.setenv("KVSTRATA_STORE_ROOT", str(tmp_path / "store"))
+
+
+def run(capsys, command: str, stream: str = "out") -> str:
+    """Run `kvstrata COMMAND` in process; its stdout (or stderr), exit code 0 asserted."""
+    code = main(shlex.split(command))
+    out, err = capsys.readouterr()
+    assert code == 0, f"kvstrata {command} exited {code}: {err[-2000:]}"
+    return out if stream == "out" else err
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_subcommand_is_in_this_matrix():
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    tests = " ".join(name for name in globals() if name.startswith("test_"))
+    assert [s for s in subcommands if s.replace("-", "_") not in tests] == []
+
+
+def test_models_and_methods(capsys):
+    out = run(capsys, "models")
+    assert "tiny-llama" in out and "tiny-gemma3" in out and "smollm2-135m" in out
+    out = run(capsys, "methods")
+    assert "nvfp4" in out and "snapkv" in out and "topk" in out
+
+
+@pytest.mark.parametrize("model, method, tokens", [("tiny-llama", "nvfp4:r=64", 1000), ("tiny-gemma3", "nvfp4;sliding=fp8", 4096)])
+def test_generate(capsys, tmp_path, model, method, tokens):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(("There and back again. " * 200)[:tokens])  # one token per byte
+    row = json.loads(run(capsys, f"generate --model {model} --method '{method}' --prompt-file {prompt} "
+                                 "--max-new-tokens 4 --json"))
+    assert row["method"] == method and row["context_tokens"] == tokens
+    assert row["new_tokens"] >= 1 and row["kv_bytes_per_token"] < row["kv_bytes_per_token_bf16"]
+    assert "context 11 tokens; KV" in run(capsys, f"generate --model {model} --prompt 'hello there' --max-new-tokens 2",
+                                          "err")
+
+
+@pytest.mark.parametrize("model, tokens", [("tiny-llama", 1000), ("tiny-llama", 1024), ("tiny-gemma3", 3000),
+                                           ("tiny-gemma3", 4096)])
+def test_passkey(capsys, model, tokens):
+    out = run(capsys, f"passkey --model {model} --tokens {tokens}")
+    assert out.startswith(f"{model}: {tokens} tokens, needle ")  # the length asked is the length fed
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["bf16", "nvfp4", "mxfp4"]
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory):
+    """`kvstrata bench` at 1000 and 1024 tokens (tiny Gemma-3, every task) and 4096 (tiny Llama)."""
+    out = tmp_path_factory.mktemp("bench")
+    for model, tasks in (("tiny-gemma3@1000/1024", "single,multikey,multivalue,multiquery,vartrack,fidelity"),
+                         ("tiny-llama@4096", "single,fidelity")):
+        assert main(shlex.split(f"bench --model {model} --n 1 --tasks {tasks} --methods bf16,nvfp4,snapkv:keep=0.28 "
+                                f"--out {out}")) == 0
+    return out
+
+
+def test_bench_rows_run_at_their_length(bench_dir):
+    rs = rows(bench_dir / "results.jsonl")
+    assert {(r["model"], r["length"]) for r in rs} == {("tiny-gemma3", 1000), ("tiny-gemma3", 1024), ("tiny-llama", 4096)}
+    assert len(rs) == 3 * (6 + 6 + 2)
+    for r in rs:
+        if r["task"] == "fidelity":
+            assert r["context_tokens"] == r["length"] and r["question_tokens"] == 0
+        else:
+            assert r["context_tokens"] + r["question_tokens"] == r["length"] and r["output"] is not None
+
+
+def test_report(bench_dir, capsys):
+    out = run(capsys, f"report {bench_dir}")
+    md = Path(out.strip()).read_text()
+    assert "### tiny-gemma3, 1024 tokens (1 instances per task)" in md and "| `nvfp4` |" in md
+    assert "Contexts fed:" in md and "4,096 tokens before the continuation (fidelity)" in md
+    assert (bench_dir / "report.html").read_text().startswith("<!doctype html>")
+
+
+def test_check_lengths_finds_and_drops_a_short_row(bench_dir, tmp_path, capsys):
+    assert run(capsys, f"check-lengths {bench_dir}").endswith("0 of 42 rows were fed a context their nominal length "
+                                                             "does not allow\n")
+    work = tmp_path / "copy"
+    work.mkdir()
+    rs = rows(bench_dir / "results.jsonl")
+    legacy = {k: v for k, v in rs[0].items() if k not in ("question_tokens", "special_tokens")}
+    legacy["context_tokens"] -= 100  # as rows written before the lengths were exact
+    (work / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [legacy, *rs[1:]]))
+    out = run(capsys, f"check-lengths {work} --drop")
+    assert f"| {legacy['model']} | {legacy['length']} | {legacy['task']} | `{legacy['method']}` | 1 (0) |" in out
+    assert "1 of 42 rows" in out
+    assert len(rows(work / "results.jsonl")) == 41 and rows(work / "short-rows.jsonl") == [legacy]
+
+
+@pytest.mark.parametrize("command, words", [
+    ("accounting --preset v41-flash", "890"),
+    ("accounting --model tiny-llama --method nvfp4 --tokens 4096", "nvfp4"),
+    ("accounting --model tiny-gemma3 --method mxfp4 --tokens 1000 --json", '"layers"'),
+])
+def test_accounting(capsys, command, words):
+    assert words in run(capsys, command)
+
+
+def test_store(capsys, tmp_path):
+    for action in ("stats", "verify", "gc"):
+        assert isinstance(json.loads(run(capsys, f"store {action}")), dict)
+
+
+@pytest.mark.parametrize("tokens", [8192, 4096, 3000, 1000])
+def test_store_bench(capsys, tmp_path, tokens):
+    """The documented 8k, the 4k and 3k that crashed on Gemma-3 (an empty continuation), and 1k."""
+    result = json.loads(run(capsys, f"store-bench --model tiny-gemma3 --tokens {tokens} --out {tmp_path}"))
+    assert result["tokens"] == tokens and [r["windows"] for r in result["replay"]] == [1, 2, 4]
+    assert result["warm_vs_exact"]["top1"] == 1.0 and result["ttft"]["cold_s"] > 0
+    assert json.loads((tmp_path / "store_evidence.json").read_text())["tokens"] == tokens
+
+
+def test_store_bench_refuses_a_prompt_under_one_block(capsys, tmp_path):
+    assert main(["store-bench", "--model", "tiny-gemma3", "--tokens", "200", "--out", str(tmp_path)]) == 2
+    assert "longer than one 256-token block" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", [1000, 2048])
+def test_depth_similarity(capsys, tmp_path, tokens):
+    out = run(capsys, f"depth-similarity --model tiny-llama,tiny-gemma3 --tokens {tokens} --out {tmp_path}")
+    assert "tiny-llama: mean adjacent cosine K" in out and "tiny-gemma3:" in out
+    r = json.loads((tmp_path / "depth_similarity.json").read_text())
+    assert r["tiny-llama"]["tokens"] == tokens and (tmp_path / "depth_tiny-gemma3.png").exists()
+
+
+def test_depth_ablation(capsys, tmp_path):
+    out = run(capsys, f"depth-ablation --model tiny-llama --length 1000 --n 1 --out {tmp_path}")
+    assert "## FreqDepthKV ablation" in out
+    rs = rows(tmp_path / "depth-ablation" / "results.jsonl")
+    assert {r["task"] for r in rs} == {"single", "fidelity"} and len({r["method"] for r in rs}) == 13
+
+
+def test_chat(capsys):
+    out = run(capsys, f"chat --model tiny-gemma3 --script {TURNS} --forget-swa-before 3 --max-new-tokens 4")
+    kinds = [line.split()[2] for line in out.splitlines() if line.startswith("[turn")]
+    assert kinds == ["miss", "hit", "replay", "hit"]
+
+
+@pytest.mark.parametrize("tokens", [1000, 4096])
+def test_topk_overlap(capsys, tmp_path, tokens):
+    out = run(capsys, f"topk-overlap --model tiny-llama,tiny-gemma3 --tokens {tokens} --k 256 --out {tmp_path}")
+    assert "tiny-llama: mean top-256 overlap" in out
+    assert json.loads((tmp_path / "topk_overlap.json").read_text())["tiny-llama"]["tokens"] == tokens
+
+
+@pytest.mark.parametrize("preset, factor", [("small-v41", 16), ("tiny-v41", 3)])
+def test_v41_prefill(capsys, tmp_path, preset, factor):
+    out = run(capsys, f"v41-prefill --preset {preset} --factor {factor} --repeats 1 --out {tmp_path / 'p.json'}")
+    r = json.loads((tmp_path / "p.json").read_text())
+    assert r["prompt_tokens"] == factor * r["n_win"] and f"{r['prompt_tokens']} prompt tokens" in out
+
+
+@pytest.mark.parametrize("extra", ["", """--override '{"swa_values": true}'"""])
+def test_train_ref(capsys, tmp_path, extra):
+    out = run(capsys, f"train-ref --preset tiny-v41 --steps 2 --batch 4 --eval-sequences 8 {extra} --out {tmp_path}")
+    assert "v41: recall" in out and "dense: recall" in out
+    assert json.loads((tmp_path / "train_ref.json").read_text())["config"]["steps"] == 2
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model, tokens", [("smollm2-135m", 1000), ("gemma3-270m", 3000)])
+def test_passkey_real(capsys, model, tokens):
+    out = run(capsys, f"passkey --model {model} --tokens {tokens} --methods nvfp4")
+    assert out.startswith(f"{model}: {tokens} tokens")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("tokens", [4096, 3000])
+def test_store_bench_real(capsys, tmp_path, tokens):
+    """Gemma-3-270M at 4k and 3k (not a multiple of the 256-token block): both stopped with an empty
+    continuation before the text sources were exact (about a minute each)."""
+    result = json.loads(run(capsys, f"store-bench --model gemma3-270m --tokens {tokens} --out {tmp_path}"))
+    assert result["tokens"] == tokens and result["warm_vs_exact"]["top1"] == 1.0
+    cached = (tokens - 1) // 256 * 256  # whole blocks stored, one token kept back for the first logits
+    # a replay runs the last w windows (512 each) of the cached prefix, then the rest of the prompt
+    assert [r["computed_tokens"] for r in result["replay"]] == [tokens - cached + 512 * w for w in (1, 2, 4)]
