@@ -94,7 +94,7 @@ def test_v41_training_sequences_are_exactly_seq_len(seq_len, pairs, n, seed):
     from kvstrata.models.v41.train import TrainConfig, _text_ids, batch
 
     if seq_len < 4 * pairs:
-        with pytest.raises(ValueError, match="cannot hold"):
+        with pytest.raises(ValueError, match="at least 4 x pairs"):
             TrainConfig(seq_len=seq_len, pairs=pairs)
         return
     cfg = TrainConfig(seq_len=seq_len, pairs=pairs)

@@ -19,7 +19,7 @@ def tiny_config(arch: str = "llama"):
 
     common = dict(
         vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=16384,
         bos_token_id=256, eos_token_id=257, pad_token_id=258,
     )
     if arch == "llama":

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvstrata.bench.haystack import natural_ids
+from kvstrata.text import natural_ids
 from kvstrata.models import load
 from kvstrata.place import KVStore, StoreConfig
 from kvstrata.place.serving import PrefixServer

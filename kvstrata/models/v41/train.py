@@ -50,8 +50,8 @@ class TrainConfig:
                 raise ValueError(f"train-ref: {name} must be a positive whole number, got {value!r}")
         if self.pairs > self.vocab:
             raise ValueError(f"train-ref: pairs ({self.pairs}) must be <= vocab ({self.vocab}): keys are distinct")
-        if self.seq_len < 4 * self.pairs + 1:
-            raise ValueError(f"train-ref: seq_len ({self.seq_len}) must exceed 4 x pairs ({4 * self.pairs})")
+        if self.seq_len < 4 * self.pairs:  # the pairs (2 tokens each), text, the pairs asked again
+            raise ValueError(f"train-ref: seq_len ({self.seq_len}) must be at least 4 x pairs ({4 * self.pairs})")
         if not isinstance(self.overrides, dict):
             raise ValueError(f"train-ref: overrides must be a mapping of V41Config fields, got {type(self.overrides).__name__}")
         known = set(inspect.signature(V41Config.__init__).parameters) - {"self", "kwargs"}
