@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kvstrata.cli import commands as c
+from kvstrata.cli import serve
 from kvstrata.cli.inputs import BIG, float_in, int_in, nonempty
 
 SEED = int_in(0, 2**32 - 1)
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default="runs/train-ref")
     tr.set_defaults(func=c.cmd_train_ref)
 
+    serve.add_parsers(sub)  # serve, serve-bench
     sub.add_parser("methods", help="list registered methods").set_defaults(func=c.cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=c.cmd_models)
     return p

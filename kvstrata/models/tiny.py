@@ -2,7 +2,8 @@
 
 `tiny_model("llama")` mirrors SmolLM2 (GQA, full attention); `tiny_model("gemma3")` mirrors
 Gemma 3 (sliding-window layers with global layers between). `save_tiny(dir)` writes one to disk
-with a byte-level tokenizer so that everything that loads a model directory can use it.
+with a byte-level tokenizer (and, on request, a chat template) so that everything that loads a
+model directory can use it, e.g. `kvstrata serve --model DIR`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ from pathlib import Path
 import torch
 
 ARCHES = ("llama", "gemma3")
+
+#: a ChatML-like template over plain text, for serving tests of /v1/chat/completions
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def tiny_config(arch: str = "llama"):
@@ -69,9 +76,12 @@ def _byte_of(ch: str) -> int:
     return bs[cs.index(ord(ch))]
 
 
-def save_tiny(path: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny model + tokenizer as a local HF model directory."""
+def save_tiny(path: str | Path, arch: str = "llama", seed: int = 0, chat_template: bool = False) -> Path:
+    """Write a tiny model + tokenizer as a local HF model directory (with `CHAT_TEMPLATE` if asked)."""
     path = Path(path)
     tiny_model(arch, seed).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
+    tok = byte_tokenizer()
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
     return path

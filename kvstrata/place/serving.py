@@ -144,8 +144,10 @@ class PrefixServer:
         if records:
             sliding = [i for i, (c, _) in enumerate(self.classes) if c == "sliding"]
             swa_kv = self._load("swa", hashes[len(records) - 1], sliding, None) if sliding else None
-            kind = "hit" if swa_kv is not None else "replay"
-            start = P if swa_kv is not None else max(0, P - self.n_win)
+            # a model without sliding layers has no SWA state to lose: its global KV is the whole state
+            live = swa_kv is not None or not sliding
+            kind = "hit" if live else "replay"
+            start = P if live else max(0, P - self.n_win)
             for i, (layer, (cls, _)) in enumerate(zip(cache.layers, self.classes)):
                 if cls == "full":
                     k = torch.cat([r[i][0] for r in records], dim=-2)

@@ -136,3 +136,11 @@ def test_resigned_record_that_does_not_decode_is_a_counted_miss(server, tiny_gem
     assert again.kind in (("miss", "replay") if klass == "global" else ("replay",))
     torch.testing.assert_close(again.logits, cold.logits, atol=0.5, rtol=0)
     assert server.serve(IDS).kind == "hit"  # the block was recomputed and written back, verified
+
+
+def test_full_attention_model_warm_turn_is_a_hit(tiny_llama, tmp_path):
+    s = PrefixServer(tiny_llama, make_store(tmp_path), "bf16", block_size=8, n_win=64)
+    cold = s.serve(IDS)
+    warm = s.serve(IDS)  # no sliding layers: no SWA state to lose, nothing to replay
+    assert warm.kind == "hit" and warm.reused_tokens == 64 and warm.computed_tokens == 6
+    torch.testing.assert_close(warm.logits, cold.logits, atol=1e-5, rtol=0)

@@ -1,0 +1,51 @@
+"""Server settings: one dataclass, validated once; the store's own settings stay in `StoreConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RETENTIONS = ("in_memory", "24h")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `kvstrata serve` runs: the model, the method its KV is stored with, and the limits that
+    keep one process serving under any load (bounded queue, per-request deadline, body size)."""
+
+    model: str
+    method: str = "bf16"
+    served_model_name: str = ""  # the `model` clients name; default: `model` as given
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key_file: str = ""  # one key per line; when set, /v1/* needs `Authorization: Bearer <key>`
+    store_config: str = ""  # TOML with a [store] table (KVSTRATA_STORE_* env vars apply too)
+    use_store: bool = True  # False: every request a full prefill, nothing written (the baseline)
+    max_active: int = 4  # requests the worker interleaves, one decode step each in turn
+    max_queue: int = 16  # requests waiting beyond those; one more is answered 429
+    request_timeout_s: float = 300.0  # deadline per request, from its arrival
+    default_max_tokens: int = 256  # when a request names none (capped by the context left)
+    replay_tokens: int | None = None  # tokens replayed on an SWA miss (default: 2 sliding windows)
+    default_retention: str = "24h"  # retention class of requests that name none
+    memory_global_gb: float = 1.0  # RAM for global KV of `prompt_cache_retention: "in_memory"` requests
+    max_body_bytes: int = 8 << 20
+    log_level: str = "warning"
+
+    def __post_init__(self):
+        checks = [
+            (1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}"),
+            (self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}"),
+            (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
+            (self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}"),
+            (self.default_max_tokens >= 1, f"default_max_tokens must be >= 1, got {self.default_max_tokens}"),
+            (self.replay_tokens is None or self.replay_tokens >= 0, f"replay_tokens must be >= 0, got {self.replay_tokens}"),
+            (self.default_retention in RETENTIONS, f"default_retention must be one of {RETENTIONS}, got {self.default_retention!r}"),
+            (self.memory_global_gb > 0, f"memory_global_gb must be > 0, got {self.memory_global_gb}"),
+            (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model

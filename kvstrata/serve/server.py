@@ -1,0 +1,52 @@
+"""`kvstrata serve`: assemble model, store, worker and routes from a `ServeConfig`, run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from kvstrata.methods import parse_method
+from kvstrata.place.config import StoreConfig
+from kvstrata.serve.app import Runtime, create_app
+from kvstrata.serve.auth import APIKeys
+from kvstrata.serve.config import ServeConfig
+from kvstrata.serve.metrics import Metrics
+from kvstrata.serve.prompts import Prompts
+from kvstrata.serve.sessions import Sessions
+from kvstrata.serve.worker import Worker
+from kvstrata.serve.write_behind import WriteBehindStore
+
+
+def build(cfg: ServeConfig):
+    """The ASGI app for `cfg`; settings are checked before the model loads."""
+    from kvstrata.models import load
+    from kvstrata.models.loader import check
+
+    store_cfg = StoreConfig.load(cfg.store_config or None)
+    keys = APIKeys.from_file(cfg.api_key_file)
+    parse_method(cfg.method)
+    check(cfg.model)
+    model, tok = load(cfg.model)
+    store = WriteBehindStore.open(store_cfg, int(cfg.memory_global_gb * 2**30)) if cfg.use_store else None
+    sessions = Sessions(model, cfg.method, store, store_cfg.block_size, cfg.replay_tokens)
+    text = model.config.get_text_config()
+    prompts = Prompts(tok, text.max_position_embeddings, text.vocab_size)
+    metrics = Metrics(store)
+    worker = Worker(model, sessions, prompts.decode, prompts.eos_ids(model), prompts.context, metrics,
+                    cfg.max_active, cfg.max_queue)
+    rt = Runtime(cfg, prompts, worker, metrics, keys, store, sessions.namespace[:16] or "no-store", int(time.time()))
+    return create_app(rt), store_cfg
+
+
+def run(cfg: ServeConfig) -> int:
+    import uvicorn
+
+    app, store_cfg = build(cfg)
+    where = "off (every request a full prefill)" if not cfg.use_store else (
+        f"Redis {store_cfg.redis_url}" if store_cfg.redis_url else f"disk {store_cfg.root}")
+    print(f"kvstrata serve: {cfg.name} ({cfg.method}) on http://{cfg.host}:{cfg.port}/v1; store {where}; "
+          f"block {store_cfg.block_size} tokens", file=sys.stderr, flush=True)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    return 0

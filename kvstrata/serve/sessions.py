@@ -1,0 +1,64 @@
+"""Serving a prompt for the model worker: through the persistent store, or uncached (the baseline).
+
+With the store, each tenant salt gets its own `PrefixServer` (same model, store, method and model
+fingerprint; computed once) -- longest global-KV prefix hit, SWA state when live, bounded replay
+when not, full prefill on a miss. Without it, every prompt is one full prefill and nothing is
+written: what a server without kvstrata's store does, for `serve-bench`'s ratio.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+
+from kvstrata.hf.cache import CompressedCache
+from kvstrata.hf.run import forward
+from kvstrata.methods import parse_method
+from kvstrata.place.prefix_keys import model_fingerprint
+from kvstrata.place.serving import PrefixServer, Served, weights_digest
+from kvstrata.serve.write_behind import RETENTION, WriteBehindStore
+
+MAX_TENANTS = 4096  # PrefixServers kept; one is cheap to rebuild (no weight hashing)
+
+
+class Sessions:
+    def __init__(self, model, method: str, store: WriteBehindStore | None, block_size: int = 256,
+                 replay_tokens: int | None = None):
+        self.model, self.store, self.block, self.n_win = model, store, block_size, replay_tokens
+        self.method = method
+        self.spec = parse_method(method)
+        self._servers: OrderedDict[bytes, PrefixServer] = OrderedDict()
+        self.fingerprint = None
+        self.namespace = ""
+        if store is not None:
+            self.fingerprint = model_fingerprint(model.config.to_dict(), weights_digest(model))
+            self.namespace = self._server(b"").ns.hex()  # refuses methods the store cannot hold, at startup
+
+    def _server(self, tenant: bytes) -> PrefixServer:
+        server = self._servers.get(tenant)
+        if server is None:
+            server = PrefixServer(self.model, self.store, self.method, block_size=self.block, n_win=self.n_win,
+                                  tenant=tenant, fingerprint=self.fingerprint)
+            self._servers[tenant] = server
+            if len(self._servers) > MAX_TENANTS:
+                self._servers.popitem(last=False)
+        self._servers.move_to_end(tenant)
+        return server
+
+    def serve(self, ids: list[int], tenant: bytes, retention: str) -> Served:
+        """The prompt's cache and next-token logits; with the store, new blocks are queued for writing."""
+        if self.store is None:
+            return self._uncached(ids)
+        token = RETENTION.set(retention)
+        try:
+            return self._server(tenant).serve(ids)
+        finally:
+            RETENTION.reset(token)
+
+    def _uncached(self, ids: list[int]) -> Served:
+        t0 = time.perf_counter()
+        cache = CompressedCache(self.model.config, self.spec)
+        logits = forward(self.model, torch.tensor([ids]), cache)[:, -1]
+        return Served(cache, logits, "miss", 0, len(ids), time.perf_counter() - t0, 0.0)

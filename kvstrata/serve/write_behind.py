@@ -1,0 +1,149 @@
+"""The store as the server uses it: writes off the first-token path, and two retention classes.
+
+- Write-behind: `put_global` / `put_swa` hand the record to one writer thread and return at once,
+  so a request's first token never waits for encoding, fsync or a Redis round trip. A record
+  still on its way is read back from memory (read-your-writes): the next turn of a conversation
+  hits even if its blocks are not yet on disk. At most `max_pending` records wait; beyond that
+  the caller blocks (back-pressure, never unbounded memory).
+- Retention classes (`prompt_cache_retention`, read from the `RETENTION` context variable at
+  write time): "24h" writes global KV to the persistent tier (disk / Redis, kept at least
+  `retention_hours`); "in_memory" keeps it in a RAM LRU of this process only, never written out
+  and lost on restart. A "24h" request that hits an in-memory block promotes it.
+- One lock serialises tier access between the model worker (reads) and the writer (writes).
+
+Built on `KVStore`'s public methods only; a record that fails verification is still a counted miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+from kvstrata.place.memory import MemoryTier
+from kvstrata.place.store import KVStore
+
+log = logging.getLogger("kvstrata.serve")
+
+#: retention class of the request being served ("24h" | "in_memory")
+RETENTION: ContextVar[str] = ContextVar("kvstrata_retention", default="24h")
+
+
+@dataclass(eq=False)
+class _Pending:
+    cls: str  # "global" | "swa"
+    key: str
+    tensors: dict
+    meta: dict
+    retention: str
+
+
+class WriteBehindStore(KVStore):
+    """A `KVStore` (persistent global tier + SWA pool) with a RAM tier for "in_memory" global KV."""
+
+    def __init__(self, *args, memory_global_bytes: int = 1 << 30, max_pending: int = 1024, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.memory = KVStore(MemoryTier(memory_global_bytes), self.swa_tier, self.retention_s, self.swa_ttl_s)
+        self._lock = threading.RLock()
+        self._pending: dict[tuple[str, str], _Pending] = {}
+        self._jobs: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
+        self.write_failures = 0
+        self._writer = threading.Thread(target=self._drain, name="kvstrata-store-writer", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def open(cls, cfg, memory_global_bytes: int = 1 << 30) -> "WriteBehindStore":
+        """The store a `StoreConfig` describes, with an "in_memory" global tier of `memory_global_bytes`."""
+        store = cls.from_config(cfg)
+        store.memory = KVStore(MemoryTier(memory_global_bytes), store.swa_tier, store.retention_s, store.swa_ttl_s)
+        return store
+
+    def tiers(self) -> dict:
+        """Every tier by the name metrics give it."""
+        return {"global": self.global_tier, "memory_global": self.memory.global_tier, "swa": self.swa_tier}
+
+    # --- reads: pending first, then the tiers --------------------------------------------------
+    def get_global(self, key: str):
+        pending = self._pending_record("global", key)
+        if pending is not None:
+            return pending
+        with self._lock:
+            rec = super().get_global(key)
+            if rec is not None:
+                return rec
+            rec = self.memory.get_global(key)
+        if rec is not None and RETENTION.get() == "24h":
+            self._enqueue(_Pending("global", key, rec[0], dict(rec[1]), "24h"))  # promote to the persistent tier
+        return rec
+
+    def get_swa(self, key: str):
+        pending = self._pending_record("swa", key)
+        if pending is not None:
+            return pending
+        with self._lock:
+            return super().get_swa(key)
+
+    def _pending_record(self, cls: str, key: str):
+        with self._lock:
+            p = self._pending.get((cls, key))
+        return None if p is None else (p.tensors, {**{k: str(v) for k, v in p.meta.items()}, "class": cls})
+
+    # --- writes: queued ------------------------------------------------------------------------
+    def put_global(self, key: str, tensors, meta: dict) -> bool:
+        return self._enqueue(_Pending("global", key, tensors, dict(meta), RETENTION.get()))
+
+    def put_swa(self, key: str, tensors, meta: dict) -> bool:
+        return self._enqueue(_Pending("swa", key, tensors, dict(meta), RETENTION.get()))
+
+    def _enqueue(self, item: _Pending) -> bool:
+        with self._lock:
+            self._pending[(item.cls, item.key)] = item
+        self._jobs.put(item)
+        return True
+
+    def _drain(self) -> None:
+        while True:
+            item = self._jobs.get()
+            try:
+                if item is None:
+                    return
+                with self._lock:
+                    if item.cls == "swa":
+                        super().put_swa(item.key, item.tensors, item.meta)
+                    elif item.retention == "in_memory":
+                        self.memory.put_global(item.key, item.tensors, item.meta)
+                    else:
+                        super().put_global(item.key, item.tensors, item.meta)
+            except Exception:  # a failed write is a later miss, never a failed request
+                self.write_failures += 1
+                log.exception("writing %s record %s failed", item.cls, item.key)
+            finally:
+                if item is not None:
+                    with self._lock:
+                        if self._pending.get((item.cls, item.key)) is item:
+                            del self._pending[(item.cls, item.key)]
+                self._jobs.task_done()
+
+    @property
+    def pending(self) -> int:
+        """Records accepted but not yet written."""
+        with self._lock:
+            return len(self._pending)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every accepted record is written; False if `timeout_s` ran out first."""
+        end = time.monotonic() + timeout_s
+        while self._jobs.unfinished_tasks:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def close(self, timeout_s: float = 60.0) -> bool:
+        done = self.flush(timeout_s)
+        self._jobs.put(None)
+        self._writer.join(timeout=5)
+        return done

@@ -1,0 +1,33 @@
+"""Fixtures: tiny models saved as model directories (what `kvstrata serve --model DIR` loads),
+and the same models loaded in-process for reference answers. Helpers live in serve_helpers.py."""
+
+import pytest
+
+from serve_helpers import start_server
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Tiny Gemma-3 with a chat template, tiny Llama without one."""
+    from kvstrata.models.tiny import save_tiny
+
+    root = tmp_path_factory.mktemp("models")
+    return {"gemma": str(save_tiny(root / "tiny-gemma", "gemma3", chat_template=True)),
+            "llama": str(save_tiny(root / "tiny-llama", "llama"))}
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dirs):
+    """The same model directories loaded in this process (the reference side of comparisons)."""
+    from kvstrata.models import load
+
+    return {name: load(path) for name, path in model_dirs.items()}
+
+
+
+@pytest.fixture(scope="session")
+def gemma_server(model_dirs, tmp_path_factory):
+    """One server for the round-trip and bad-input modules: tiny Gemma-3 (sliding + global layers), disk store."""
+    s = start_server(model_dirs["gemma"], tmp_path_factory.mktemp("gemma-server"))
+    yield s
+    s.stop()
