@@ -23,9 +23,10 @@ def _place_conftest():
 RedisServer = _place_conftest().RedisServer
 
 
-def start_server(model_dir: str, tmp: Path, *args: str, env: dict | None = None) -> ServerProcess:
+def start_server(model_dir: str, tmp: Path, *args: str, env: dict | None = None, name: str = "tiny") -> ServerProcess:
+    tmp.mkdir(parents=True, exist_ok=True)
     env = {"KVSTRATA_STORE_ROOT": str(tmp / "store"), "KVSTRATA_STORE_BLOCK_SIZE": str(BLOCK), **(env or {})}
-    return ServerProcess(model_dir, "--replay-tokens", str(REPLAY), *args, env=env, name="tiny",
+    return ServerProcess(model_dir, "--replay-tokens", str(REPLAY), *args, env=env, name=name,
                          log_path=tmp / "server.log").start()
 
 
@@ -50,6 +51,6 @@ def text_of(n: int, seed: int = 0) -> str:
     words = "the store keeps every block of global key value cache across turns and restarts".split()
     g = torch.Generator().manual_seed(seed)
     out = []
-    while sum(map(len, out)) + len(out) < n:
+    while len(" ".join(out)) < n:
         out.append(words[int(torch.randint(len(words), (1,), generator=g))])
     return " ".join(out)[:n]

@@ -1,0 +1,100 @@
+"""Faults through real server processes, each ending in correct answers (equal to `kvstrata
+generate`'s greedy answer for the same prompt): Redis killed mid-session, a corrupted disk record,
+the server SIGKILLed and restarted on the same disk, the SWA pool emptied by its TTL."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstrata.place.disk import DiskTier
+from kvstrata.place.memory import MemoryTier
+from kvstrata.place.store import KVStore
+from serve_helpers import RedisServer, client, greedy_reference, start_server, text_of
+
+TOKENS = 6
+
+
+def ask(oa, prompt: str):
+    return oa.completions.create(model="tiny", prompt=prompt, max_tokens=TOKENS, temperature=0)
+
+
+@pytest.fixture
+def reference(loaded):
+    model, tok = loaded["gemma"]
+    return lambda prompt: greedy_reference(model, tok, tok(prompt).input_ids, TOKENS)
+
+
+def test_redis_killed_mid_session_serves_misses_counted_in_metrics(model_dirs, tmp_path, reference):
+    redis = RedisServer().start()
+    server = start_server(model_dirs["gemma"], tmp_path, env={"KVSTRATA_STORE_REDIS_URL": redis.url,
+                                                              "KVSTRATA_STORE_REDIS_TIMEOUT_SECONDS": "0.3"})
+    try:
+        oa, turns = client(server), [text_of(50, seed=20)]
+        turns += [turns[-1] + " next turn", turns[-1] + " next turn and another"]
+        assert ask(oa, turns[0]).kvstrata["kind"] == "miss"
+        assert ask(oa, turns[1]).kvstrata["kind"] == "hit"  # global KV from Redis
+        server.wait_written()
+        assert server.metric("kvstrata_store_errors_total", tier="global") == 0
+        redis.stop()
+        got = ask(oa, turns[2])
+        assert got.kvstrata["kind"] == "miss" and got.choices[0].text == reference(turns[2])
+        server.wait_written()
+        assert server.metric("kvstrata_store_errors_total", tier="global") >= 1
+        assert server.metric("kvstrata_prompts_total", kind="miss") == 2
+        redis.start()  # back, empty: misses again, then hits
+        assert ask(oa, turns[2]).kvstrata["kind"] == "miss"
+        server.wait_written()
+        assert ask(oa, turns[2]).kvstrata["kind"] == "hit"
+    finally:
+        server.stop()
+        redis.stop()
+
+
+def test_corrupt_record_restart_and_swa_expiry(model_dirs, tmp_path, reference):
+    root = tmp_path / "store" / "global"
+    env = {"KVSTRATA_STORE_ROOT": str(root)}
+    a = start_server(model_dirs["gemma"], tmp_path / "a", env=env)
+    try:
+        oa = client(a)
+        x = text_of(70, seed=21)
+        first = ask(oa, x)
+        a.wait_written()
+        written = sorted(root.glob("*.kv"))
+        assert len(written) == 4  # 70 tokens: 4 blocks of 16
+        for path in written:  # flip bytes in the middle of every record of this prompt
+            blob = bytearray(path.read_bytes())
+            blob[len(blob) // 2] ^= 0xFF
+            path.write_bytes(bytes(blob))
+        again = ask(oa, x)
+        assert again.kvstrata["kind"] == "miss" and again.choices[0].text == first.choices[0].text == reference(x)
+        a.wait_written()
+        assert a.metric("kvstrata_store_corrupt_total", tier="global") >= 1  # counted, removed, written anew
+        assert _intact(root) == len(written)
+        y = text_of(150, seed=22)  # prefix 144 tokens > the 64 replayed on an SWA miss: replay is bounded
+        answer_y = ask(oa, y).choices[0].text
+        a.wait_written()
+    finally:
+        a.kill()  # SIGKILL: nothing flushed at exit, the SWA pool (RAM) is gone
+    b = start_server(model_dirs["gemma"], tmp_path / "b", env={**env, "KVSTRATA_STORE_SWA_TTL_SECONDS": "3"})
+    try:
+        oa = client(b)
+        after = ask(oa, y)  # global KV from disk, SWA state lost with the old process: a replay
+        assert after.kvstrata["kind"] == "replay" and after.kvstrata["reused_tokens"] == 144
+        assert after.kvstrata["computed_tokens"] == 150 - (144 - 64)
+        assert after.choices[0].text == answer_y == reference(y)
+        assert ask(oa, x).kvstrata["reused_tokens"] == 64  # the rewritten records read back from disk too
+        b.wait_written()
+        time.sleep(4)  # past the SWA TTL: the pool drops the state the replay rebuilt
+        later = ask(oa, y + " more")
+        assert later.kvstrata["kind"] == "replay" and later.choices[0].text == reference(y + " more")
+        assert later.usage.prompt_tokens_details.cached_tokens == 144 - 64
+        assert b.metric("kvstrata_store_expired_total", tier="swa") >= 1
+    finally:
+        b.stop()
+
+
+def _intact(root: Path) -> int:
+    """Records under `root` that read back whole (opened after the server has written everything)."""
+    store = KVStore(DiskTier(root, 1 << 30), MemoryTier(1 << 20))
+    return sum(store.get_global(p.stem) is not None for p in root.glob("*.kv"))

@@ -1,0 +1,34 @@
+"""SmolLM2-135M-Instruct through a real server: a two-turn chat whose second turn is served from the
+store, each greedy answer equal to `kvstrata generate`'s for the same templated prompt."""
+
+import pytest
+
+from kvstrata.models import KNOWN_MODELS, load
+from serve_helpers import BLOCK, chat_ids, client, greedy_reference, start_server
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2-135m"
+
+
+def test_smollm2_chat_round_trip_hits_on_the_second_turn(tmp_path):
+    if not KNOWN_MODELS[MODEL].installed():
+        pytest.fail(f"{MODEL} missing: {KNOWN_MODELS[MODEL].install_command}")
+    model, tok = load(MODEL)
+    server = start_server(MODEL, tmp_path, name=MODEL)
+    try:
+        oa = client(server)
+        messages = [{"role": "system", "content": "You answer in one short sentence. " * 4},
+                    {"role": "user", "content": "What is the capital of France?"}]
+        for turn in range(2):
+            got = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            answer = got.choices[0].message.content
+            assert answer == greedy_reference(model, tok, chat_ids(tok, messages), 12)
+            assert got.kvstrata["kind"] == ("miss", "hit")[turn]
+            if turn:  # every whole block of the first turn's prompt (its last token is always run)
+                assert got.usage.prompt_tokens_details.cached_tokens == (first - 1) // BLOCK * BLOCK > 0
+            first = got.usage.prompt_tokens
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+        assert "Paris" in messages[2]["content"]
+    finally:
+        server.stop()

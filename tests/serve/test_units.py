@@ -1,0 +1,80 @@
+"""The server's parts in-process: streaming text with stop sequences, sampling, tenant salts, the
+write-behind store."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.place.disk import DiskTier
+from kvstrata.place.memory import MemoryTier
+from kvstrata.serve.auth import APIKeys, tenant_salt
+from kvstrata.serve.errors import APIError
+from kvstrata.serve.sampling import Sampler, Sampling
+from kvstrata.serve.text import TextStream
+from kvstrata.serve.write_behind import RETENTION, WriteBehindStore
+
+
+def utf8(ids):
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=40), st.lists(st.text(alphabet="abé\n", min_size=1, max_size=3), max_size=3))
+def test_deltas_add_up_to_the_text_and_stop_before_any_stop_sequence(data, stops):
+    s = TextStream(utf8, tuple(stops))
+    out, stopped = "", False
+    for b in data:
+        delta, stopped = s.push(b)
+        out += delta
+        if stopped:
+            break
+    out += s.finish()
+    full = utf8(list(data))
+    assert out == s.text and full.startswith(out)
+    assert not any(stop in out for stop in stops)
+    if stopped:  # cut exactly at the first stop sequence
+        assert min(full.find(x) for x in stops if x in full) == len(out)
+
+
+def test_sampler_greedy_seeded_and_top_p():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
+    assert Sampler(Sampling())(logits) == 1
+    def draws(seed):
+        sampler = Sampler(Sampling(1.0, seed=seed))
+        return [sampler(logits) for _ in range(20)]
+
+    assert draws(5) == draws(5) and len(set(draws(5))) > 1 and draws(5) != draws(6)
+    nucleus = Sampler(Sampling(1.0, top_p=0.5, seed=0))
+    assert {nucleus(logits) for _ in range(50)} <= {1, 3}  # the two tokens that hold the first half of the mass
+
+
+def test_tenant_salt_binds_key_and_cache_salt():
+    salts = {tenant_salt(k, s) for k, s in [("a", "x"), ("b", "x"), ("a", "y"), ("a", None), ("", "ax"), ("ax", "")]}
+    assert len(salts) == 6  # length-prefixed: ("", "ax") and ("ax", "") differ too
+    keys = APIKeys(["secret-one"])
+    assert keys.check("Bearer secret-one") == "secret-one" and APIKeys().check(None) == ""
+    for bad in (None, "secret-one", "Bearer", "Bearer secret-two", "Basic secret-one"):
+        try:
+            keys.check(bad)
+            raise AssertionError(f"{bad!r} accepted")
+        except APIError as e:
+            assert e.status == 401
+
+
+def test_write_behind_reads_its_own_writes_and_keeps_retention_classes(tmp_path):
+    store = WriteBehindStore(DiskTier(tmp_path, 1 << 26), MemoryTier(1 << 24), memory_global_bytes=1 << 24)
+    block = {"k": torch.arange(6, dtype=torch.float32)}
+    store.put_global("a" * 64, block, {"codec": "bf16"})
+    got = store.get_global("a" * 64)  # pending or written: either way the same tensors
+    assert torch.equal(got[0]["k"], block["k"]) and got[1]["codec"] == "bf16"
+    token = RETENTION.set("in_memory")
+    try:
+        store.put_global("b" * 64, block, {"codec": "bf16"})
+    finally:
+        RETENTION.reset(token)
+    assert store.flush() and store.pending == 0
+    assert set(store.global_tier.keys()) == {"a" * 64}  # "in_memory" never reached the disk
+    assert store.memory.global_tier.keys() == ["b" * 64]
+    assert torch.equal(store.get_global("b" * 64)[0]["k"], block["k"])  # read from RAM, promoted: "24h" asked
+    assert store.flush() and set(store.global_tier.keys()) == {"a" * 64, "b" * 64}
+    store.close()
