@@ -33,13 +33,16 @@ def add_parsers(sub) -> None:
     b.add_argument("--method", default="bf16")
     b.add_argument("--clients", type=int, default=8)
     b.add_argument("--turns", type=int, default=12, help="turns per conversation")
+    b.add_argument("--conversations", type=int, default=1, help="conversations per client")
     b.add_argument("--context", type=int, default=2048, help="tokens of each conversation's opening document")
-    b.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn")
+    b.add_argument("--tool-tokens", type=int, default=200, help="tokens of each tool-result turn")
+    b.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn")
     b.add_argument("--duration", type=float, default=1800.0, help="seconds each phase may run at most")
     b.add_argument("--probe-tokens", type=int, default=8192, help="single-client cold / warm / replay probe "
                    "at this prompt length (0: skip)")
     b.add_argument("--check", type=int, default=8, help="answers re-asked of the store-off server and compared")
     b.add_argument("--block-size", type=int, default=256)
+    b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="docs/results/serve")
     b.set_defaults(func=cmd_serve_bench)
 
@@ -63,8 +66,9 @@ def cmd_serve_bench(args) -> int:
     from kvstrata.serve.bench import BenchConfig, run
 
     cfg = BenchConfig(model=args.model, method=args.method, clients=args.clients, turns=args.turns,
-                      context=args.context, max_tokens=args.max_tokens, duration_s=args.duration,
-                      probe_tokens=args.probe_tokens, check=args.check, block_size=args.block_size, out=args.out)
+                      conversations=args.conversations, context=args.context, tool_tokens=args.tool_tokens,
+                      max_tokens=args.max_tokens, duration_s=args.duration, probe_tokens=args.probe_tokens,
+                      check=args.check, block_size=args.block_size, seed=args.seed, out=args.out)
     result = run(cfg)
     print(json.dumps(result["summary"], indent=1))
     print(f"results and plot in {Path(args.out)}")

@@ -1,11 +1,14 @@
 """The single model worker: one thread owns the model and interleaves requests step by step.
 
-Scheduling: up to `max_active` requests run at once; each turn of the loop gives every active
-request one step -- its prefill through the store (the whole prompt at once) or one decode token --
-so a new request's first token waits for at most one step of each other request, not for their
-whole answers. Steps are not batched into one forward: each request has its own `CompressedCache`
-of its own length, and on CPU a batched step saves little (see docs/serving.md). At most
-`max_queue` more requests wait; one beyond that is refused at once (429 with `Retry-After`).
+Scheduling: up to `max_active` requests run at once, one step at a time: a new request's prefill
+through the store (the whole prompt at once) goes first, then the running requests take one decode
+token each in turn -- so a new request's first token waits for the step in flight and the prefills
+queued before it, never for other requests' whole answers. Steps are not batched into one forward:
+each request has its own `CompressedCache` (its own length, segments and replay state) and the
+transformers cache holds one sequence length per layer, so batching would need a ragged, batched
+compressed cache. The price is throughput under concurrency (a decode step reads the weights once
+per request, not once per batch); `serve-bench` measures it. At most `max_queue` more requests
+wait; one beyond that is refused at once (429 with `Retry-After`).
 
 Each request checks, between steps, whether its client went away (generation stops) and whether
 its deadline passed (before the first token: 504; after: it ends as if `max_tokens` were reached).
@@ -124,7 +127,8 @@ class Worker:
             self._cond.notify()
 
     def _loop(self) -> None:
-        active: list[_Run] = []
+        active: list[_Run] = []  # in admission order
+        turn = 0  # round-robin position among the requests that are decoding
         while True:
             with self._cond:
                 while not self._waiting and not active and not self._stopping:
@@ -136,9 +140,14 @@ class Worker:
                 self._active = len(active)
                 self.metrics.waiting.set(len(self._waiting))
                 self.metrics.active.set(self._active)
-            for run in list(active):
-                if self._step(run):
-                    active.remove(run)
+            # prefill first: a new request waits for at most the step in flight, not a round of them
+            i = next((j for j, r in enumerate(active) if r.served is None), None)
+            if i is None:
+                i = turn = turn % len(active)
+                turn += 1
+            if self._step(active[i]):
+                del active[i]
+                turn -= i < turn
             with self._cond:
                 self._active = len(active)
         for run in active + list(self._waiting):  # shutting down
