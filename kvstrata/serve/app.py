@@ -13,7 +13,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -26,6 +25,7 @@ from kvstrata.serve.prompts import Prompts
 from kvstrata.serve.sampling import Sampling
 from kvstrata.serve.schemas import ChatRequest, CompletionRequest, parse
 from kvstrata.serve.worker import Job, Outcome, Worker
+from kvstrata.serve.write_behind import WriteBehindStore
 
 log = logging.getLogger("kvstrata.serve")
 
@@ -39,7 +39,7 @@ class Runtime:
     worker: Worker
     metrics: Metrics
     keys: APIKeys
-    store: object  # WriteBehindStore | None
+    store: WriteBehindStore | None
     fingerprint: str  # system_fingerprint: the store namespace (model, method, dtype, layout)
     started: int
 
@@ -81,10 +81,6 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request, e: RequestValidationError):
-        return JSONResponse(error_body(400, str(e.errors()[:1])), status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):
@@ -201,6 +197,11 @@ class _Shape:
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": self.usage(o), "kvstrata": o.kvstrata()}
 
+    def usage_chunk(self, o: Outcome) -> dict:
+        """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": self.usage(o), "kvstrata": o.kvstrata()}
+
     def chunk(self, text: str | None, first: bool = False, finish: str | None = None) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
@@ -230,8 +231,7 @@ async def _sse(job: Job, events: asyncio.Queue, shape: _Shape, include_usage: bo
                 o: Outcome = event[1]
                 yield _data({**shape.chunk(None, first=first, finish=o.finish_reason), "kvstrata": o.kvstrata()})
                 if include_usage:
-                    yield _data({**shape._head(shape.chunk(None)["object"]), "choices": [], "usage": shape.usage(o),
-                                 "kvstrata": o.kvstrata()})
+                    yield _data(shape.usage_chunk(o))
                 yield "data: [DONE]\n\n"
                 return
             else:

@@ -123,6 +123,7 @@ def plot(result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (by_turn, by_kind) = plt.subplots(1, 2, figsize=(11, 4))
     for name, style in (("store", "o-"), ("no_store", "s--")):
@@ -131,6 +132,7 @@ def plot(result: dict, path: Path) -> None:
         by_turn.plot(turns, [_pct([r["ttft_s"] for r in recs if r["turn"] == t], 0.5) for t in turns], style,
                      label=f"store {'on' if name == 'store' else 'off'} (median)")
     by_turn.set(yscale="log", xlabel="turn", ylabel="TTFT (s), client side", title="TTFT per turn")
+    by_turn.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_turn.legend()
     s = result["summary"]["phases"]
     bars = [(f"{k} (on)", s["store"]["ttft_s"][k]) for k in KINDS] + [("miss (off)", s["no_store"]["ttft_s"]["miss"])]

@@ -11,6 +11,11 @@ import threading
 from kvstrata.serve.errors import APIError
 
 
+#: no tokenizer here averages this many bytes per token: longer text cannot fit the context, and is
+#: refused before it is tokenized (tokenizing megabytes would stall the worker, which shares the lock)
+MAX_BYTES_PER_TOKEN = 64
+
+
 class Prompts:
     def __init__(self, tokenizer, context: int, vocab: int):
         self.tok, self.context, self.vocab = tokenizer, context, vocab
@@ -23,6 +28,7 @@ class Prompts:
             if bad is not None:
                 raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab})", param="prompt")
             return self._checked(list(prompt), "prompt")
+        self._fits(len(prompt.encode()), "prompt")
         with self._lock:
             return self._checked(self.tok(prompt).input_ids, "prompt")
 
@@ -32,12 +38,18 @@ class Prompts:
             raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions with a prompt",
                            param="messages", code="no_chat_template")
         convo = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        self._fits(sum(len(m["content"].encode()) for m in convo), "messages")
         with self._lock:
             try:
                 text = self.tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # the template's own checks (e.g. roles must alternate) raise
                 raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
             return self._checked(self.tok(text, add_special_tokens=False).input_ids, "messages")
+
+    def _fits(self, nbytes: int, param: str) -> None:
+        if nbytes > self.context * MAX_BYTES_PER_TOKEN:
+            raise APIError(400, f"the prompt is {nbytes} bytes: far more than this model's context of {self.context} "
+                           "tokens can hold", param=param, code="context_length_exceeded")
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:

@@ -140,7 +140,7 @@ def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:
     """The request body as `schema`, or a 400 naming the first field that is wrong."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, integers past Python's digit limit
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")

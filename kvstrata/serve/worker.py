@@ -61,6 +61,7 @@ class Outcome:
     computed_tokens: int
     ttft_s: float
     queue_s: float
+    write_s: float = 0.0  # of ttft_s: snapshotting and encoding new blocks before handing them to the writer
     timed_out: bool = False
 
     @property
@@ -70,7 +71,8 @@ class Outcome:
 
     def kvstrata(self) -> dict:
         return {"kind": self.kind, "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
-                "ttft_s": round(self.ttft_s, 6), "queue_s": round(self.queue_s, 6), "timed_out": self.timed_out}
+                "ttft_s": round(self.ttft_s, 6), "queue_s": round(self.queue_s, 6), "write_s": round(self.write_s, 6),
+                "timed_out": self.timed_out}
 
 
 class _Run:
@@ -208,7 +210,7 @@ class Worker:
             job.emit(("text", rest))
         queue_s = run.started - job.arrived
         out = Outcome(run.text.text, reason, len(job.ids), run.tokens, served.kind, served.reused_tokens,
-                      served.computed_tokens, run.ttft, queue_s, timed_out)
+                      served.computed_tokens, run.ttft, queue_s, served.write_s, timed_out)
         self.metrics.prompt(out.kind, out.prompt_tokens, out.cached_tokens, out.computed_tokens, out.ttft_s, queue_s)
         self.metrics.generated_tokens.inc(run.tokens)
         self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - run.started)

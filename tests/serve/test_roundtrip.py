@@ -28,6 +28,7 @@ def test_completion_then_longer_prompt_reuses_the_first(oa, loaded):
     first = oa.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
     assert first.object == "text_completion" and first.usage.prompt_tokens == 70  # one token per byte
     assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.kvstrata["kind"] == "miss"
+    assert 0 < first.kvstrata["write_s"] < first.kvstrata["ttft_s"]  # 4 new blocks snapshotted, then handed off
     again = oa.completions.create(model="tiny", prompt=prompt + " and a follow-up", max_tokens=6, temperature=0)
     assert again.kvstrata["kind"] == "hit" and again.usage.prompt_tokens_details.cached_tokens == 64
     assert again.kvstrata["reused_tokens"] == 64 and again.kvstrata["computed_tokens"] == 86 - 64
