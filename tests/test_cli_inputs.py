@@ -26,6 +26,8 @@ def p(tmp_path_factory):
     os.mkfifo(files["fifo"])
     files["binary"].write_bytes(b"\xff\xfe\x00abc")
     files["blank"].write_text("  \n\t\n")
+    files["shortkey"] = d / "keys.txt"
+    files["shortkey"].write_text("# one key, too short\nabc\n")
     files["notastore"].mkdir()
     (files["notastore"] / "notes.txt").write_text("mine")
     for name, body in {
@@ -116,6 +118,42 @@ CASES = [
     ("store-bench tokens", ["store-bench", "--tokens", "-1"], "argument --tokens"),
     ("store-bench no sliding layers", ["store-bench", "--model", "{llama}", "--tokens", "512", "--out", "{out}"],
      "needs a model with sliding-window layers"),
+    ("serve model missing", ["serve", "--model", "{dir}/nope"], "neither a known model"),
+    ("serve empty model", ["serve", "--model", " "], "argument --model: must not be empty"),
+    ("serve bad method", ["serve", "--model", "{llama}", "--method", "fp5"], "unknown method 'fp5'"),
+    ("serve port 0", ["serve", "--model", "{llama}", "--port", "0"], "argument --port: must be in [1, 65,535], got 0"),
+    ("serve port huge", ["serve", "--model", "{llama}", "--port", "70000"], "argument --port"),
+    ("serve max-active 0", ["serve", "--model", "{llama}", "--max-active", "0"], "argument --max-active"),
+    ("serve max-queue -1", ["serve", "--model", "{llama}", "--max-queue", "-1"], "argument --max-queue"),
+    ("serve timeout nan", ["serve", "--model", "{llama}", "--request-timeout", "nan"], "argument --request-timeout"),
+    ("serve timeout 0", ["serve", "--model", "{llama}", "--request-timeout", "0"], "argument --request-timeout"),
+    ("serve default-max-tokens", ["serve", "--model", "{llama}", "--default-max-tokens", "0"],
+     "argument --default-max-tokens"),
+    ("serve replay-tokens", ["serve", "--model", "{llama}", "--replay-tokens", "-1"], "argument --replay-tokens"),
+    ("serve memory -1", ["serve", "--model", "{llama}", "--memory-global-gb", "-1"], "argument --memory-global-gb"),
+    ("serve retention", ["serve", "--model", "{llama}", "--default-retention", "1h"], "argument --default-retention"),
+    ("serve key file dir", ["serve", "--model", "{llama}", "--api-key-file", "{dir}"],
+     "--api-key-file: {dir} is a directory"),
+    ("serve key file /dev/zero", ["serve", "--model", "{llama}", "--api-key-file", "/dev/zero"], "not a regular file"),
+    ("serve key file fifo", ["serve", "--model", "{llama}", "--api-key-file", "{fifo}"], "not a regular file"),
+    ("serve key file missing", ["serve", "--model", "{llama}", "--api-key-file", "{dir}/nope"], "does not exist"),
+    ("serve key file binary", ["serve", "--model", "{llama}", "--api-key-file", "{binary}"], "not valid UTF-8"),
+    ("serve key file blank", ["serve", "--model", "{llama}", "--api-key-file", "{blank}"], "{blank} holds no keys"),
+    ("serve key too short", ["serve", "--model", "{llama}", "--api-key-file", "{shortkey}"], "at least 8 characters"),
+    ("serve config dir", ["serve", "--model", "{llama}", "--config", "{dir}"], "--config: {dir} is a directory"),
+    ("serve config setting", ["serve", "--model", "{llama}", "--config", "{bs}"], "block_size: expected an integer"),
+    ("serve root not a store", ["serve", "--model", "{llama}", "--config", "{root}"], "has no .kvstrata-store marker"),
+    ("serve-bench clients 0", ["serve-bench", "--clients", "0", "--out", "{out}"], "argument --clients"),
+    ("serve-bench duration", ["serve-bench", "--duration", "inf", "--out", "{out}"], "argument --duration"),
+    ("serve-bench seed", ["serve-bench", "--seed", "-1", "--out", "{out}"], "argument --seed"),
+    ("serve-bench block", ["serve-bench", "--block-size", "0", "--out", "{out}"], "argument --block-size"),
+    ("serve-bench model", ["serve-bench", "--model", "{dir}/nope", "--out", "{out}"], "neither a known model"),
+    ("serve-bench method", ["serve-bench", "--model", "{llama}", "--method", "fp5", "--out", "{out}"],
+     "unknown method 'fp5'"),
+    ("serve-bench past context", ["serve-bench", "--model", "{llama}", "--context", "20000", "--probe-tokens", "0",
+                                  "--out", "{out}"], "past the model's context of 16,384"),
+    ("serve-bench probe past context", ["serve-bench", "--model", "{llama}", "--probe-tokens", "16384", "--out", "{out}"],
+     "--probe-tokens 16,384"),
     ("report bad rows", ["report", "{badrows}"], "results.jsonl: 2 bad row(s)"),
     ("report missing dir", ["report", "{dir}/none"], "holds no benchmark results"),
 ]
@@ -144,6 +182,7 @@ def test_bad_input_is_one_clear_line_and_exit_2(p, capsys, monkeypatch, argv, wo
     assert len(said) == 1 and said[0].startswith("kvstrata: error: ") and err.rstrip().endswith(said[0])
     assert fill([words], p)[0] in said[0]
     assert not Path(p["out"], "results.jsonl").exists() and not Path(p["out"], "train_ref.json").exists()
+    assert not Path(p["out"], "serve_bench.json").exists()
 
 
 def test_env_settings_are_checked_too(p, capsys, monkeypatch):
@@ -157,6 +196,7 @@ def test_env_settings_are_checked_too(p, capsys, monkeypatch):
     (["passkey", "--model", "{llama}", "--depth", "2.0"], "argument --depth"),
     (["store", "verify", "--config", "{rc}"], "redis_cluster: expected true or false"),
     (["report", "{badrows}"], "bad row(s)"),
+    (["serve", "--model", "{llama}", "--api-key-file", "/dev/zero"], "not a regular file"),
 ])
 def test_bad_input_through_the_real_entry_point(p, argv, words):
     out = subprocess.run([sys.executable, "-c", "import sys; from kvstrata.cli import main; sys.exit(main())",

@@ -161,6 +161,42 @@ def test_chat(capsys):
     assert kinds == ["miss", "hit", "replay", "hit"]
 
 
+def test_serve(tmp_path):
+    """README's example on tiny-gemma3 (a real server process): its curl request, then its openai client,
+    one conversation growing from 1,000 to 4,096 tokens (not / a multiple of the 256-token block)."""
+    import httpx
+    import openai
+
+    from kvstrata.serve.process import ServerProcess
+
+    prompt = ("There and back again. " * 200)[:4096]  # one token per byte
+    with ServerProcess("tiny-gemma3", "--method", "nvfp4;sliding=fp8", name="tiny-gemma3",
+                       log_path=tmp_path / "serve.log") as server:
+        first = httpx.post(server.base_url + "/completions", timeout=300, json={
+            "model": "tiny-gemma3", "prompt": prompt[:1000], "max_tokens": 8, "temperature": 0}).json()
+        assert first["kvstrata"]["kind"] == "miss" and first["usage"]["prompt_tokens"] == 1000
+        oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+        for cached in (768, 3840):  # the 1,000-token turn's 3 whole blocks, then all 15 of the 4,096-token turn
+            r = oa.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=8, temperature=0)
+            assert r.kvstrata["kind"] == "hit" and r.usage.prompt_tokens_details.cached_tokens == cached
+            assert r.usage.prompt_tokens == 4096 and r.usage.completion_tokens >= 1
+
+
+def test_serve_bench(capsys, tmp_path):
+    """The documented functional run on tiny-gemma3 (no chat template: completions): a 4k probe with
+    its replay, 1,000-token conversations with the store on and off, answers re-checked."""
+    run(capsys, f"serve-bench --model tiny-gemma3 --clients 2 --turns 3 --context 1000 --tool-tokens 64 --max-tokens 4 "
+                f"--probe-tokens 4096 --probe-swa-ttl 5 --check 2 --duration 120 --out {tmp_path}")
+    s = json.loads((tmp_path / "serve_bench.json").read_text())["summary"]
+    assert s["endpoint"] == "completions" and s["probe"]["prompt_tokens"] == 4096
+    assert s["probe"]["kinds"] == ["miss"] + ["hit"] * 5 + ["replay"] and s["probe"]["errors"] == 0
+    on, off = s["phases"]["store"], s["phases"]["no_store"]
+    assert on["requests"] == off["requests"] == 6 and on["errors"] == off["errors"] == 0
+    assert on["hit_rate_later_turns"] == 1.0
+    assert s["check"] == {"checked": 2, "differ": 0}
+    assert "| store |" in (tmp_path / "serve_bench.md").read_text()
+
+
 @pytest.mark.parametrize("tokens", [1000, 4096])
 def test_topk_overlap(capsys, tmp_path, tokens):
     out = run(capsys, f"topk-overlap --model tiny-llama,tiny-gemma3 --tokens {tokens} --k 256 --out {tmp_path}")

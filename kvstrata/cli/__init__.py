@@ -7,9 +7,7 @@ import sys
 
 from kvstrata.cli import commands as c
 from kvstrata.cli import serve
-from kvstrata.cli.inputs import BIG, float_in, int_in, nonempty
-
-SEED = int_in(0, 2**32 - 1)
+from kvstrata.cli.inputs import BIG, SEED, float_in, int_in, nonempty
 
 
 class Parser(argparse.ArgumentParser):

@@ -38,6 +38,9 @@ def float_in(lo: float, hi: float):
     return _bounded(float, lo, hi, "a number", "g")
 
 
+SEED = int_in(0, 2**32 - 1)
+
+
 def nonempty(text: str) -> str:
     """argparse type: text with something besides whitespace in it."""
     if not text.strip():

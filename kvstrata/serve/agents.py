@@ -1,4 +1,4 @@
-"""Scripted multi-turn agent conversations for `serve-bench`: each opens with a document of about
+"""Scripted multi-turn agent conversations for `serve-bench`: each opens with a document of exactly
 `context` tokens (its own, so a conversation's first turn is a miss), then alternates a user
 question with a tool result; the assistant's real answers are appended by the client.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvstrata.bench.haystack import natural_paragraphs
+from kvstrata.text import exact_prefix, natural_paragraphs
 
 QUESTIONS = (
     "Summarise what the document says about {w}.",
@@ -45,21 +45,18 @@ class Scripts:
         self.tok, self.context, self.turns, self.tool_tokens, self.seed = tokenizer, context, turns, tool_tokens, seed
         self.paragraphs = natural_paragraphs(seed)
 
-    def _cut(self, text: str, tokens: int) -> str:
-        ids = self.tok(text, add_special_tokens=False).input_ids[:tokens]
-        return self.tok.decode(ids)
-
-    def _text(self, rng: random.Random, tokens: int) -> str:
+    def _text(self, rng: random.Random, tokens: int, what: str) -> str:
+        """Random paragraphs cut to exactly `tokens` tokens (without special tokens)."""
         picked, size = [], 0
         while size < tokens * 6:  # characters; at least ~1.5 per token in any tokenizer here
             p = rng.choice(self.paragraphs)
             picked.append(p)
             size += len(p)
-        return self._cut("\n\n".join(picked), tokens)
+        return exact_prefix(self.tok, "\n\n".join(picked), tokens, what)[0]
 
     def script(self, client: int, conversation: int) -> Script:
         rng = random.Random(f"{self.seed}-{client}-{conversation}")
-        doc = self._text(rng, self.context)
+        doc = self._text(rng, self.context, "agent document")
         words = [w.strip(".,;:()\"'") for w in doc.split() if len(w) > 6] or ["the document"]
         # the session id first: no two conversations share a block, so each first turn is a miss
         system = f"[{client}.{conversation}] You are an agent. Work only from this document:\n\n{doc}"
@@ -68,9 +65,9 @@ class Scripts:
             if t % 2 == 0:
                 turns.append(rng.choice(QUESTIONS).format(w=rng.choice(words)))
             else:
-                turns.append("Tool result:\n" + self._text(rng, self.tool_tokens))
+                turns.append("Tool result:\n" + self._text(rng, self.tool_tokens, "tool result"))
         return Script(system, tuple(turns))
 
     def probe_document(self, tokens: int) -> str:
-        """One long prompt of about `tokens` tokens for the single-client cold / warm / replay probe."""
-        return self._text(random.Random(f"{self.seed}-probe"), tokens)
+        """One long prompt of `tokens` tokens for the single-client cold / warm / replay probe."""
+        return self._text(random.Random(f"{self.seed}-probe"), tokens, "probe document")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from kvstrata.serve.errors import APIError
 
+KEY_FILE_MAX_BYTES = 1 << 20
+
 
 def tenant_salt(api_key: str, cache_salt: str | None) -> bytes:
     """32-byte tenant salt of (API key, cache_salt); the anonymous tenant has key ''."""
@@ -36,12 +38,14 @@ class APIKeys:
     def from_file(cls, path: str | Path | None) -> "APIKeys":
         if not path:
             return cls()
-        lines = [line.strip() for line in Path(path).read_text().splitlines()]
+        from kvstrata.textfile import read_text_file
+
+        lines = [line.strip() for line in read_text_file(path, "--api-key-file", KEY_FILE_MAX_BYTES).splitlines()]
         keys = [line for line in lines if line and not line.startswith("#")]
         if not keys:
-            raise ValueError(f"API key file {path} holds no keys")
+            raise ValueError(f"--api-key-file: {path} holds no keys")
         if any(len(k) < 8 or any(c.isspace() for c in k) for k in keys):
-            raise ValueError(f"API key file {path}: keys must be at least 8 characters, without spaces")
+            raise ValueError(f"--api-key-file: {path}: keys must be at least 8 characters, without spaces")
         return cls(keys)
 
     @property

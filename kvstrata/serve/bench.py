@@ -23,8 +23,6 @@ from kvstrata.serve.agents import Scripts
 from kvstrata.serve.bench_report import summarize, write_outputs
 from kvstrata.serve.process import ServerProcess
 
-PROBE_SWA_TTL_S = 30.0  # the probe server's SWA TTL: warm turns come well within it, the replay after it
-
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -39,6 +37,7 @@ class BenchConfig:
     duration_s: float = 1800.0  # per load phase
     probe_tokens: int = 8192  # 0: no probe
     probe_warm_turns: int = 5
+    probe_swa_ttl_s: float = 30.0  # the probe server's SWA TTL: warm turns come well within it, the replay after it
     check: int = 8
     block_size: int = 256
     seed: int = 0
@@ -48,8 +47,8 @@ class BenchConfig:
         for name in ("clients", "turns", "conversations", "context", "max_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.duration_s <= 0 or self.probe_tokens < 0 or self.check < 0:
-            raise ValueError("duration_s must be > 0, probe_tokens and check >= 0")
+        if self.duration_s <= 0 or self.probe_swa_ttl_s <= 0 or self.probe_tokens < 0 or self.check < 0:
+            raise ValueError("duration_s and probe_swa_ttl_s must be > 0, probe_tokens and check >= 0")
 
 
 def _stream(oa, model: str, max_tokens: int, messages: list | None = None, prompt: str | None = None) -> dict:
@@ -135,18 +134,18 @@ def _probe(cfg: BenchConfig, scripts: Scripts, root: Path) -> dict:
     import openai
 
     doc = scripts.probe_document(cfg.probe_tokens)
-    with _server(cfg, root, "probe", env={"KVSTRATA_STORE_SWA_TTL_SECONDS": str(PROBE_SWA_TTL_S)}) as server:
+    with _server(cfg, root, "probe", env={"KVSTRATA_STORE_SWA_TTL_SECONDS": str(cfg.probe_swa_ttl_s)}) as server:
         oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=3600)
         rows, prompt = [], doc
         for i in range(cfg.probe_warm_turns + 2):  # one conversation: every turn extends the last
             if i == cfg.probe_warm_turns + 1:
-                time.sleep(PROBE_SWA_TTL_S + 1)  # the SWA state expires: the last turn is a replay
+                time.sleep(cfg.probe_swa_ttl_s + 1)  # the SWA state expires: the last turn is a replay
             rows.append(dict(_stream(oa, server.name, 1, prompt=prompt), turn=i + 1,
                              phase="cold" if i == 0 else "replay" if i > cfg.probe_warm_turns else "warm"))
             prompt += f"\nQuestion {i + 1}: what comes next?"
     for r in rows:
         r.pop("text", None)
-    return {"rows": rows, "swa_ttl_s": PROBE_SWA_TTL_S}
+    return {"rows": rows, "swa_ttl_s": cfg.probe_swa_ttl_s}
 
 
 def _check(cfg: BenchConfig, load: _Load, server: ServerProcess) -> dict:
@@ -165,12 +164,33 @@ def _check(cfg: BenchConfig, load: _Load, server: ServerProcess) -> dict:
     return {"checked": len(rows), "differ": sum(not r["same"] for r in rows), "rows": rows}
 
 
+TURN_OVERHEAD = 128  # tokens a turn adds beyond its tool text and answer (question, role markers), generously
+
+
+def check_fits(cfg: BenchConfig, model_dir: Path) -> None:
+    """Refuse, before any server starts, conversations or a probe that would outgrow the model's context."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config()
+    limit = int(getattr(text, "max_position_embeddings", 0) or 0) or 1 << 62
+    longest = cfg.context + (cfg.turns // 2) * cfg.tool_tokens + cfg.turns * (cfg.max_tokens + TURN_OVERHEAD)
+    if longest > limit:
+        raise ValueError(f"--context {cfg.context:,} + --turns {cfg.turns} x (--max-tokens {cfg.max_tokens:,} + "
+                         f"{TURN_OVERHEAD}) + {cfg.turns // 2} x --tool-tokens {cfg.tool_tokens:,}: a conversation "
+                         f"grows to about {longest:,} tokens, past the model's context of {limit:,}")
+    probe = cfg.probe_tokens + (cfg.probe_warm_turns + 2) * TURN_OVERHEAD
+    if cfg.probe_tokens and probe > limit:
+        raise ValueError(f"--probe-tokens {cfg.probe_tokens:,}: the probe grows to {probe:,} tokens, past the model's "
+                         f"context of {limit:,}")
+
+
 def run(cfg: BenchConfig) -> dict:
-    from transformers import AutoTokenizer
+    from kvstrata.methods import parse_method
+    from kvstrata.models import load_tokenizer, resolve
 
-    from kvstrata.models import resolve
-
-    tok = AutoTokenizer.from_pretrained(resolve(cfg.model), local_files_only=True)
+    parse_method(cfg.method)  # refused here, not by the first server's exit
+    check_fits(cfg, resolve(cfg.model))
+    tok = load_tokenizer(cfg.model)
     scripts = Scripts(tok, cfg.context, cfg.turns, cfg.tool_tokens, cfg.seed)
     chat = bool(getattr(tok, "chat_template", None))
     root = Path(tempfile.mkdtemp(prefix="kvstrata-serve-bench-"))

@@ -19,7 +19,8 @@ from kvstrata.serve.write_behind import WriteBehindStore
 
 
 def build(cfg: ServeConfig):
-    """The ASGI app for `cfg`; settings are checked before the model loads."""
+    """The ASGI app for `cfg` and a line saying where its store is; settings are checked and the store
+    opened (its root, secret, Redis) before the model loads."""
     from kvstrata.models import load
     from kvstrata.models.loader import check
 
@@ -27,8 +28,8 @@ def build(cfg: ServeConfig):
     keys = APIKeys.from_file(cfg.api_key_file)
     parse_method(cfg.method)
     check(cfg.model)
-    model, tok = load(cfg.model)
     store = WriteBehindStore.open(store_cfg, int(cfg.memory_global_gb * 2**30)) if cfg.use_store else None
+    model, tok = load(cfg.model)
     sessions = Sessions(model, cfg.method, store, store_cfg.block_size, cfg.replay_tokens)
     text = model.config.get_text_config()
     prompts = Prompts(tok, text.max_position_embeddings, text.vocab_size)
@@ -36,17 +37,17 @@ def build(cfg: ServeConfig):
     worker = Worker(model, sessions, prompts.decode, prompts.eos_ids(model), prompts.context, metrics,
                     cfg.max_active, cfg.max_queue)
     rt = Runtime(cfg, prompts, worker, metrics, keys, store, sessions.namespace[:16] or "no-store", int(time.time()))
-    return create_app(rt), store_cfg
+    where = "off (every request a full prefill)" if store is None else (
+        f"Redis {store.global_tier.where}" if store_cfg.redis_url else f"disk {store_cfg.root}")  # never a password
+    return create_app(rt), f"store {where}; block {store_cfg.block_size} tokens"
 
 
 def run(cfg: ServeConfig) -> int:
     import uvicorn
 
-    app, store_cfg = build(cfg)
-    where = "off (every request a full prefill)" if not cfg.use_store else (
-        f"Redis {store_cfg.redis_url}" if store_cfg.redis_url else f"disk {store_cfg.root}")
-    print(f"kvstrata serve: {cfg.name} ({cfg.method}) on http://{cfg.host}:{cfg.port}/v1; store {where}; "
-          f"block {store_cfg.block_size} tokens", file=sys.stderr, flush=True)
+    app, store = build(cfg)
+    print(f"kvstrata serve: {cfg.name} ({cfg.method}) on http://{cfg.host}:{cfg.port}/v1; {store}",
+          file=sys.stderr, flush=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     return 0

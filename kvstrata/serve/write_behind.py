@@ -11,7 +11,10 @@
   and lost on restart. A "24h" request that hits an in-memory block promotes it.
 - One lock serialises tier access between the model worker (reads) and the writer (writes).
 
-Built on `KVStore`'s public methods only; a record that fails verification is still a counted miss.
+Built on `KVStore`'s public methods only, with the store's own secret (`from_config` reads the
+persistent one, so a restarted server reads what it wrote): a record that fails verification is
+still a counted miss. A pending record is returned only for the key, class and namespace it was
+put under, as a written one would be.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class _Pending:
     tensors: dict
     meta: dict
     retention: str
+    namespace: bytes = b""
 
 
 class WriteBehindStore(KVStore):
@@ -46,7 +50,7 @@ class WriteBehindStore(KVStore):
 
     def __init__(self, *args, memory_global_bytes: int = 1 << 30, max_pending: int = 1024, **kwargs):
         super().__init__(*args, **kwargs)
-        self.memory = KVStore(MemoryTier(memory_global_bytes), self.swa_tier, self.retention_s, self.swa_ttl_s)
+        self.memory = self._memory_store(memory_global_bytes)
         self._lock = threading.RLock()
         self._pending: dict[tuple[str, str], _Pending] = {}
         self._jobs: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
@@ -57,46 +61,53 @@ class WriteBehindStore(KVStore):
     @classmethod
     def open(cls, cfg, memory_global_bytes: int = 1 << 30) -> "WriteBehindStore":
         """The store a `StoreConfig` describes, with an "in_memory" global tier of `memory_global_bytes`."""
-        store = cls.from_config(cfg)
-        store.memory = KVStore(MemoryTier(memory_global_bytes), store.swa_tier, store.retention_s, store.swa_ttl_s)
+        store = cls.from_config(cfg)  # the store's persistent secret
+        store.memory = store._memory_store(memory_global_bytes)
         return store
+
+    def _memory_store(self, nbytes: int) -> KVStore:
+        """The RAM tier for "in_memory" global KV: same SWA pool, same secret."""
+        return KVStore(MemoryTier(nbytes), self.swa_tier, self.retention_s, self.swa_ttl_s, secret=self.secret)
 
     def tiers(self) -> dict:
         """Every tier by the name metrics give it."""
         return {"global": self.global_tier, "memory_global": self.memory.global_tier, "swa": self.swa_tier}
 
     # --- reads: pending first, then the tiers --------------------------------------------------
-    def get_global(self, key: str):
-        pending = self._pending_record("global", key)
+    def get_global(self, key: str, namespace: bytes | None = None):
+        pending = self._pending_record("global", key, namespace)
         if pending is not None:
             return pending
         with self._lock:
-            rec = super().get_global(key)
+            rec = super().get_global(key, namespace)
             if rec is not None:
                 return rec
-            rec = self.memory.get_global(key)
-        if rec is not None and RETENTION.get() == "24h":
-            self._enqueue(_Pending("global", key, rec[0], dict(rec[1]), "24h"))  # promote to the persistent tier
+            rec = self.memory.get_global(key, namespace)
+        if rec is not None and RETENTION.get() == "24h" and namespace is not None:  # promote to the persistent tier
+            self._enqueue(_Pending("global", key, rec[0], dict(rec[1]), "24h", namespace))
         return rec
 
-    def get_swa(self, key: str):
-        pending = self._pending_record("swa", key)
+    def get_swa(self, key: str, namespace: bytes | None = None):
+        pending = self._pending_record("swa", key, namespace)
         if pending is not None:
             return pending
         with self._lock:
-            return super().get_swa(key)
+            return super().get_swa(key, namespace)
 
-    def _pending_record(self, cls: str, key: str):
+    def _pending_record(self, cls: str, key: str, namespace: bytes | None):
+        """(tensors, str metadata) of a record not yet written, as `decode_record` would return it."""
         with self._lock:
             p = self._pending.get((cls, key))
-        return None if p is None else (p.tensors, {**{k: str(v) for k, v in p.meta.items()}, "class": cls})
+        if p is None or (namespace is not None and p.namespace != namespace):
+            return None
+        return p.tensors, {k: str(v) for k, v in p.meta.items()}
 
     # --- writes: queued ------------------------------------------------------------------------
-    def put_global(self, key: str, tensors, meta: dict) -> bool:
-        return self._enqueue(_Pending("global", key, tensors, dict(meta), RETENTION.get()))
+    def put_global(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
+        return self._enqueue(_Pending("global", key, tensors, dict(meta), RETENTION.get(), namespace))
 
-    def put_swa(self, key: str, tensors, meta: dict) -> bool:
-        return self._enqueue(_Pending("swa", key, tensors, dict(meta), RETENTION.get()))
+    def put_swa(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
+        return self._enqueue(_Pending("swa", key, tensors, dict(meta), RETENTION.get(), namespace))
 
     def _enqueue(self, item: _Pending) -> bool:
         with self._lock:
@@ -112,11 +123,11 @@ class WriteBehindStore(KVStore):
                     return
                 with self._lock:
                     if item.cls == "swa":
-                        super().put_swa(item.key, item.tensors, item.meta)
+                        super().put_swa(item.key, item.tensors, item.meta, item.namespace)
                     elif item.retention == "in_memory":
-                        self.memory.put_global(item.key, item.tensors, item.meta)
+                        self.memory.put_global(item.key, item.tensors, item.meta, item.namespace)
                     else:
-                        super().put_global(item.key, item.tensors, item.meta)
+                        super().put_global(item.key, item.tensors, item.meta, item.namespace)
             except Exception:  # a failed write is a later miss, never a failed request
                 self.write_failures += 1
                 log.exception("writing %s record %s failed", item.cls, item.key)

@@ -1,6 +1,5 @@
 """Real `kvstrata serve` processes on 127.0.0.1 (free ports) and the official `openai` client."""
 
-import importlib.util
 from pathlib import Path
 
 import openai
@@ -10,17 +9,6 @@ from kvstrata.serve.process import ServerProcess
 
 BLOCK = 16  # tokens per block: small, so short prompts span several
 REPLAY = 64  # replayed tokens on an SWA miss: covers the tiny Gemma-3's receptive field (3 sliding layers x 16)
-
-
-def _place_conftest():
-    """tests/place/conftest.py (its real Redis server), loaded by path: test folders are not packages."""
-    spec = importlib.util.spec_from_file_location("place_conftest", Path(__file__).parents[1] / "place" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-RedisServer = _place_conftest().RedisServer
 
 
 def start_server(model_dir: str, tmp: Path, *args: str, env: dict | None = None, name: str = "tiny") -> ServerProcess:

@@ -4,7 +4,10 @@ traceback or a 500 -- and keeps serving."""
 import httpx
 import pytest
 
+from kvstrata.models.tiny import tiny_config
 from serve_helpers import client
+
+PAST = tiny_config("gemma3").max_position_embeddings + 100  # characters = tokens (byte tokenizer), past the context
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -22,7 +25,7 @@ CASES = [
     ("max_tokens a string", "POST", "/completions", {**OK, "max_tokens": "5"}, 400, "max_tokens"),
     ("max_tokens zero", "POST", "/completions", {**OK, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens past context", "POST", "/completions", {**OK, "max_tokens": 10**12}, 400, "max_tokens"),
-    ("prompt longer than context", "POST", "/completions", {**OK, "prompt": "a" * 5000}, 400, "prompt"),
+    ("prompt longer than context", "POST", "/completions", {**OK, "prompt": "a" * PAST}, 400, "prompt"),
     ("token id outside vocab", "POST", "/completions", {**OK, "prompt": [1, 2, 999999]}, 400, "prompt"),
     ("negative token id", "POST", "/completions", {**OK, "prompt": [-1]}, 400, "prompt"),
     ("two prompts", "POST", "/completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt"),
@@ -50,7 +53,7 @@ CASES = [
      {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages.0.content.0.type"),
     ("chat prompt past context", "POST", "/chat/completions",
-     {**CHAT, "messages": [{"role": "user", "content": "b" * 5000}]}, 400, "messages"),
+     {**CHAT, "messages": [{"role": "user", "content": "b" * PAST}]}, 400, "messages"),
     ("body over the size limit", "POST", "/completions", b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413, None),
     ("GET on a POST route", "GET", "/completions", None, 405, None),
     ("unknown path", "POST", "/embeddings", OK, 404, None),

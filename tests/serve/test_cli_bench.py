@@ -1,30 +1,9 @@
-"""`kvstrata serve` refuses bad settings before loading anything; `kvstrata serve-bench` runs end to
-end on a tiny model (two real server processes, store on and off) and writes its results."""
+"""`kvstrata serve-bench` end to end on a tiny model with a chat template (two real server processes,
+store on and off): its results. Bad flags of `serve` / `serve-bench` are rows of tests/test_cli_inputs.py."""
 
 import json
 
-import pytest
-
 from kvstrata.cli import main
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["--model", "/nonexistent/model"], "neither a known model"),
-    (["--model", "smollm2-135m", "--method", "fp5"], "unknown method 'fp5'"),
-    (["--model", "smollm2-135m", "--port", "0"], "port must be in 1..65535"),
-    (["--model", "smollm2-135m", "--max-active", "0"], "max_active must be >= 1"),
-    (["--model", "smollm2-135m", "--api-key-file", "/nonexistent/keys"], "/nonexistent/keys"),
-])
-def test_serve_refuses_bad_settings_with_exit_2(capsys, argv, words):
-    assert main(["serve", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("kvstrata: error:") and words in err and "Traceback" not in err
-
-
-def test_serve_refuses_an_api_key_file_without_keys(tmp_path, capsys):
-    (tmp_path / "keys").write_text("# nothing yet\n\n")
-    assert main(["serve", "--model", "smollm2-135m", "--api-key-file", str(tmp_path / "keys")]) == 2
-    assert "holds no keys" in capsys.readouterr().err
 
 
 def test_serve_bench_on_a_tiny_model(model_dirs, tmp_path, capsys):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstrata.place.disk import DiskTier
-from kvstrata.place.memory import MemoryTier
+from kvstrata.place.config import StoreConfig
 from kvstrata.place.store import KVStore
-from serve_helpers import RedisServer, client, greedy_reference, start_server, text_of
+from redis_helpers import RedisServer
+from serve_helpers import client, greedy_reference, start_server, text_of
 
 TOKENS = 6
 
@@ -95,6 +95,7 @@ def test_corrupt_record_restart_and_swa_expiry(model_dirs, tmp_path, reference):
 
 
 def _intact(root: Path) -> int:
-    """Records under `root` that read back whole (opened after the server has written everything)."""
-    store = KVStore(DiskTier(root, 1 << 30), MemoryTier(1 << 20))
+    """Records under `root` that read back whole and signed with the store's persistent secret (opened
+    after the server has written everything)."""
+    store = KVStore.from_config(StoreConfig(root=str(root)))
     return sum(store.get_global(p.stem) is not None for p in root.glob("*.kv"))

@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstrata.place.config import StoreConfig
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
 from kvstrata.serve.auth import APIKeys, tenant_salt
@@ -63,18 +64,36 @@ def test_tenant_salt_binds_key_and_cache_salt():
 
 def test_write_behind_reads_its_own_writes_and_keeps_retention_classes(tmp_path):
     store = WriteBehindStore(DiskTier(tmp_path, 1 << 26), MemoryTier(1 << 24), memory_global_bytes=1 << 24)
-    block = {"k": torch.arange(6, dtype=torch.float32)}
-    store.put_global("a" * 64, block, {"codec": "bf16"})
-    got = store.get_global("a" * 64)  # pending or written: either way the same tensors
-    assert torch.equal(got[0]["k"], block["k"]) and got[1]["codec"] == "bf16"
+    block, ns, other = {"k": torch.arange(6, dtype=torch.float32)}, b"n" * 32, b"o" * 32
+    with store._lock:  # the writer waits: the record is certainly pending
+        store.put_global("a" * 64, block, {"codec": "bf16"}, namespace=ns)
+        got = store.get_global("a" * 64, ns)
+        assert torch.equal(got[0]["k"], block["k"]) and got[1] == {"codec": "bf16"} and store.pending == 1
+        assert store.get_global("a" * 64, other) is None  # bound to its namespace while pending too
     token = RETENTION.set("in_memory")
     try:
-        store.put_global("b" * 64, block, {"codec": "bf16"})
+        store.put_global("b" * 64, block, {"codec": "bf16"}, namespace=ns)
     finally:
         RETENTION.reset(token)
     assert store.flush() and store.pending == 0
     assert set(store.global_tier.keys()) == {"a" * 64}  # "in_memory" never reached the disk
     assert store.memory.global_tier.keys() == ["b" * 64]
-    assert torch.equal(store.get_global("b" * 64)[0]["k"], block["k"])  # read from RAM, promoted: "24h" asked
+    assert torch.equal(store.get_global("b" * 64, ns)[0]["k"], block["k"])  # read from RAM, promoted: "24h" asked
     assert store.flush() and set(store.global_tier.keys()) == {"a" * 64, "b" * 64}
+    assert torch.equal(store.get_global("a" * 64, ns)[0]["k"], block["k"])  # written, read back verified
     store.close()
+
+
+def test_write_behind_store_reads_its_records_after_a_restart(tmp_path):
+    """`open` uses the store's persistent secret: a new process on the same root reads what the old one wrote."""
+    cfg = StoreConfig(root=str(tmp_path / "store"))
+    block, ns = {"k": torch.arange(6, dtype=torch.float32)}, b"n" * 32
+    first = WriteBehindStore.open(cfg, 1 << 24)
+    first.put_global("a" * 64, block, {"codec": "bf16"}, namespace=ns)
+    first.put_swa("a" * 64, block, {"codec": "bf16"}, namespace=ns)
+    assert first.close()
+    again = WriteBehindStore.open(cfg, 1 << 24)
+    assert torch.equal(again.get_global("a" * 64, ns)[0]["k"], block["k"]) and again.global_tier.stats.corrupt == 0
+    assert again.get_swa("a" * 64, ns) is None  # the SWA pool lived in the old process's RAM
+    assert again.memory.secret == again.secret == first.secret
+    again.close()
