@@ -14,6 +14,7 @@ The first recipe applies to every layer; `full=` / `sliding=` override one class
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from kvstrata.codecs import CODECS, build, coerce_params, get_codec, split_spec
 from kvstrata.codecs.base import codec_spec
@@ -42,22 +43,41 @@ class StoreRecipe:
     depth: str | None = None  # canonical depth-sharing spec (FreqDepthKV) for groups of adjacent layers
     read: str | None = None  # canonical read-stratum spec (top-k sparse decode reads)
 
+    # Objects are resolved from the canonical strings once per recipe (recipes are immutable), so
+    # nothing on the encode / decode path parses a spec or looks up a registry.
+    @cached_property
+    def codec_obj(self):
+        """The element codec instance."""
+        return get_codec(self.codec)
+
+    @cached_property
+    def _read(self):
+        return build(self.read, READ_METHODS) if self.read else None
+
+    @cached_property
+    def _depth(self):
+        return build(self.depth, DEPTH_METHODS) if self.depth else None
+
+    @cached_property
+    def _keep(self):
+        return build(self.keep, KEEP_POLICIES) if self.keep else None
+
     def read_config(self):
         """The sparse-read config (TopK) instance, or None for dense reads."""
-        return build(self.read, READ_METHODS) if self.read else None
+        return self._read
 
     def depth_config(self):
         """The depth-sharing codec (FreqDepth, MiniCache) instance, or None."""
-        return build(self.depth, DEPTH_METHODS) if self.depth else None
+        return self._depth
 
     def keep_policy(self):
         """The keep policy instance, or None when every token is kept."""
-        return build(self.keep, KEEP_POLICIES) if self.keep else None
+        return self._keep
 
-    @property
+    @cached_property
     def key_group(self) -> int:
         """Tokens encoded together for keys (1 unless keys are grouped per channel)."""
-        return getattr(get_codec(self.codec), "group", 1) if self.key_axis == "channel" else 1
+        return getattr(self.codec_obj, "group", 1) if self.key_axis == "channel" else 1
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from kvstrata.codecs.base import Codec, coerce_params
@@ -38,8 +40,10 @@ def build(spec: str, registry: dict[str, type], kind: str = "method"):
     return cls(**coerce_params(cls, params, f"{kind} {name}"))
 
 
+@lru_cache(maxsize=256)
 def get_codec(spec: str) -> Codec:
-    """Codec instance for a spec such as `nvfp4`, `fp8:block=32` or `int4:group=64`."""
+    """Codec instance for a spec such as `nvfp4`, `fp8:block=32` or `int4:group=64` (codecs are
+    immutable, so one instance per spec is resolved once and shared)."""
     return build(spec, CODECS, "codec")
 
 

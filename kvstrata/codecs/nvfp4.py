@@ -54,6 +54,13 @@ class NVFP4:
             parts["tensor_scale"] = ts.reshape(1)
         return QTensor(codec_spec(self), tuple(x.shape), x.dtype, parts)
 
+    def fits(self, x: torch.Tensor, scale: torch.Tensor) -> bool:
+        """Whether `x` can be encoded under the held tensor `scale` as well as under its own: its
+        largest block scale neither saturates E4M3 nor falls below E4M3's normal range."""
+        amax = float(x.abs().amax()) if x.numel() else 0.0
+        top = float(scale) * E4M3_MAX * E2M1_MAX
+        return top * 2.0**-6 / E4M3_MAX <= amax <= top
+
     def decode(self, q: QTensor) -> torch.Tensor:
         scale = q.parts["scales"].view(torch.float8_e4m3fn).float()
         if "tensor_scale" in q.parts:

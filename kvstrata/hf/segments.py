@@ -1,62 +1,150 @@
-"""Encoded runs of tokens for one cache layer: K and V of the same tokens, through one recipe."""
+"""Encoded runs of tokens for one cache layer: K and V of the same tokens, through one recipe.
+
+A segment's tensors are views of buffers that may hold spare rows, so decode-time flushes append
+in place (`append`) instead of creating a segment per token: a layer holds a handful of segments,
+and decode attention walks them without copying. Spare rows are real memory and are counted.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.codecs import QTensor, get_codec
+from kvstrata.codecs import QTensor
 from kvstrata.methods import StoreRecipe
+
+#: rows a segment made by a small (decode-time) flush reserves, so later flushes append in place
+APPEND_ROWS = 64
+#: hidden front tokens a sliding layer tolerates before it copies the rest to free them
+COMPACT_ROWS = 64
 
 
 @dataclass
 class Segment:
     """`length` encoded tokens, of which the first `skip` are hidden (dropped by a sliding window
-    but still held because keys grouped per channel can only be freed a whole group at a time)."""
+    but still held until enough of them can be freed at once; keys grouped per channel are freed
+    a whole group at a time). `keys` / `values` are exactly `length` tokens long; their parts are
+    views of `buffers`, which may reserve room for more."""
 
     keys: QTensor
     values: QTensor
     length: int
     skip: int = 0
+    buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
     def visible(self) -> int:
         return self.length - self.skip
 
     def parts(self):
-        yield from self.keys.parts.values()
-        yield from self.values.parts.values()
+        """Every tensor held (the whole buffers, spare rows included)."""
+        for q, name in ((self.keys, "keys"), (self.values, "values")):
+            yield from (self.buffers.get(name) or q.parts).values()
 
 
-def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor) -> Segment:
-    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0)."""
-    codec = get_codec(recipe.codec)
-    if recipe.key_axis == "channel":
-        qk = codec.encode(keys.transpose(-1, -2).contiguous())
-    else:
-        qk = codec.encode(keys)
-    return Segment(qk, codec.encode(values), keys.shape[-2])
+def _axes(recipe: StoreRecipe) -> tuple[int, int]:
+    """Token axis of the K and V parts: 2 for `[b, h, tokens, ...]`; 3 for keys grouped per channel,
+    whose parts are `[b, h, head_dim, token_blocks, ...]`."""
+    return (3 if recipe.key_axis == "channel" else 2), 2
+
+
+def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor,
+                   reserve: int = 0) -> Segment:
+    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
+    `reserve` spare tokens are allocated for later `append`s."""
+    codec = recipe.codec_obj
+    kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
+    seg = Segment(codec.encode(kt), codec.encode(values), keys.shape[-2])
+    if reserve:
+        _reserve(recipe, seg, reserve)
+    return seg
+
+
+def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Encode `keys, values: [b, h, n, d]` into `seg`'s spare rows; False (nothing written) when
+    there is no room or the rows cannot share the segment's scales (NVFP4's tensor scale)."""
+    n = keys.shape[-2]
+    if not seg.buffers or n == 0:
+        return False
+    group = recipe.key_group
+    kax, vax = _axes(recipe)
+    kcap = next(iter(seg.buffers["keys"].values())).shape[kax] * (group if kax == 3 else 1)
+    if seg.length + n > kcap or seg.length % group:
+        return False
+    codec = recipe.codec_obj
+    kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
+    scales = [q.parts.get("tensor_scale") for q in (seg.keys, seg.values)]
+    new = []
+    for x, held in zip((kt, values), scales):
+        if held is None:
+            new.append(codec.encode(x))
+        elif not codec.fits(x, held):
+            return False
+        else:
+            new.append(codec.encode(x, held))
+    start = seg.length
+    for name, q, ax, unit in (("keys", new[0], kax, group if kax == 3 else 1), ("values", new[1], vax, 1)):
+        for part, t in q.parts.items():
+            if part != "tensor_scale":
+                seg.buffers[name][part].narrow(ax, start // unit, t.shape[ax]).copy_(t)
+    seg.length += n
+    _views(recipe, seg)
+    return True
+
+
+def _reserve(recipe: StoreRecipe, seg: Segment, extra: int) -> None:
+    """Move `seg`'s parts into buffers with room for `extra` more tokens."""
+    group = recipe.key_group
+    kax, vax = _axes(recipe)
+    for name, q, ax, unit in (("keys", seg.keys, kax, group if kax == 3 else 1), ("values", seg.values, vax, 1)):
+        bufs = {}
+        for part, t in q.parts.items():
+            if part == "tensor_scale":
+                bufs[part] = t
+                continue
+            shape = list(t.shape)
+            shape[ax] += -(-extra // unit)
+            buf = t.new_zeros(shape)
+            buf.narrow(ax, 0, t.shape[ax]).copy_(t)
+            bufs[part] = buf
+        seg.buffers[name] = bufs
+    _views(recipe, seg)
+
+
+def _views(recipe: StoreRecipe, seg: Segment) -> None:
+    """Point `seg.keys` / `seg.values` at the first `length` tokens of their buffers."""
+    group = recipe.key_group
+    kax, vax = _axes(recipe)
+    for name, ax, unit in (("keys", kax, group if kax == 3 else 1), ("values", vax, 1)):
+        q = getattr(seg, name)
+        rows = seg.length // unit
+        parts = {p: (t if p == "tensor_scale" else t.narrow(ax, 0, rows)) for p, t in seg.buffers[name].items()}
+        shape = list(q.shape)
+        shape[-1 if (name == "keys" and kax == 3) else -2] = seg.length
+        setattr(seg, name, QTensor(q.spec, tuple(shape), q.dtype, parts))
 
 
 def decode_segment(recipe: StoreRecipe, seg: Segment, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V."""
-    k = seg.keys.dequantize(dtype)
+    codec = recipe.codec_obj
+    k = codec.decode(seg.keys).to(dtype)
     if recipe.key_axis == "channel":
         k = k.transpose(-1, -2)
-    v = seg.values.dequantize(dtype)
+    v = codec.decode(seg.values).to(dtype)
     return k[..., seg.skip :, :], v[..., seg.skip :, :]
 
 
-def drop_front(recipe: StoreRecipe, seg: Segment, n: int) -> Segment | None:
-    """Hide the oldest `n` visible tokens; free what the layout allows. None when nothing is left."""
+def drop_front(recipe: StoreRecipe, seg: Segment, n: int, compact: int = 0) -> Segment | None:
+    """Hide the oldest `n` visible tokens; None when nothing is left. Hidden tokens are freed (the
+    rest copied) once at least `compact` of them can go; the layout frees whole key groups only."""
     if n >= seg.visible:
         return None
     skip = seg.skip + n
     group = recipe.key_group
     free = (skip // group) * group
-    if free == 0:
-        return Segment(seg.keys, seg.values, seg.length, skip)
+    if free == 0 or free < compact:
+        return Segment(seg.keys, seg.values, seg.length, skip, seg.buffers)
     keys = _narrow(seg.keys, -1 if recipe.key_axis == "channel" else -2, free, group)
     values = _narrow(seg.values, -2, free, 1)
     return Segment(keys, values, seg.length - free, skip - free)

@@ -1,0 +1,120 @@
+"""Decode attention straight from encoded KV: one query token per sequence, every store codec.
+
+`EncodedView` is what a cache layer holds at one decode step: runs of encoded tokens (each a K
+and a V `QTensor` of the same tokens, the first `skip` hidden) plus the full-precision tail.
+`decode_attention` attends one query over it: with the C++ kernel (`kernels/decode_attention.cpp`,
+built on first use) codes are decoded a tile of tokens at a time inside an online softmax, and the
+query heads of a KV group share one pass over the codes; without it (build failed, or
+`KVSTRATA_KERNELS=reference`) the runs are decoded whole and attended (the reference path, also
+what tests compare the kernel with). Sparse reads pass the positions to read (`idx`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.codecs import QTensor
+from kvstrata.read.kernels import cpu
+
+# codec name -> kernel kind; elements per scale block along head_dim (None: the codec's own field)
+_KINDS = {"bf16": (1, 0), "fp8": (2, None), "nvfp4": (3, 16), "mxfp4": (4, 32), "int4": (5, None), "int2": (6, None)}
+F32 = 0
+_NONE = torch.empty(0)
+
+
+@dataclass
+class EncodedView:
+    """A layer's encoded tokens at one step. `runs`: (keys, values, skip) in token order, keys
+    `[b, h, n, d]` (or `[b, h, d, n]` when `key_channel`: KIVI groups along tokens), values
+    `[b, h, n, d]`; `codec` decodes them."""
+
+    codec: object
+    key_channel: bool
+    runs: list[tuple[QTensor, QTensor, int]]
+    generation: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(k.shape[-1 if self.key_channel else -2] - skip for k, _, skip in self.runs)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every visible token decoded: `[b, h, tokens, d]` K and V (the reference path)."""
+        ks, vs = [], []
+        for k, v, skip in self.runs:
+            kd = self.codec.decode(k).to(dtype)
+            if self.key_channel:
+                kd = kd.transpose(-1, -2)
+            ks.append(kd[..., skip:, :])
+            vs.append(self.codec.decode(v).to(dtype)[..., skip:, :])
+        return ks, vs
+
+
+def _describe(q: QTensor, codec, channel: bool, skip: int, d: int):
+    kind, block = _KINDS[codec.name]
+    if block is None:
+        block = getattr(codec, "block", 0) or getattr(codec, "group", 0) or d
+    parts = q.parts
+    codes = parts.get("codes", parts.get("values"))
+    length = q.shape[-1] if channel else q.shape[-2]
+    ts = float(parts["tensor_scale"]) if "tensor_scale" in parts else 1.0
+    return [codes, parts.get("scales", _NONE), parts.get("mins", _NONE)], [kind, int(channel), length, skip, block], ts
+
+
+def _tail(t: torch.Tensor):
+    t = t.float()
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return [t, _NONE, _NONE], [F32, 0, t.shape[-2], 0, 0], 1.0
+
+
+def kernel_args(view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor):
+    """The C++ kernel's flattened run descriptors for K and V."""
+    d = tail_k.shape[-1]
+    out = []
+    for which in (0, 1):
+        parts, meta, ts = [], [], []
+        for run in view.runs:
+            p, m, s = _describe(run[which], view.codec, view.key_channel and which == 0, run[2], d)
+            parts += p
+            meta.append(m)
+            ts.append(s)
+        p, m, s = _tail(tail_k if which == 0 else tail_v)
+        parts += p
+        meta.append(m)
+        ts.append(s)
+        out += [parts, torch.tensor(meta, dtype=torch.int64), torch.tensor(ts, dtype=torch.float32)]
+    return out
+
+
+def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                        softcap: float | None = None) -> torch.Tensor:
+    """`query: [b, hq, 1, d]` over `keys, values: [b, hk, n, d]` (GQA) -> `[b, hq, d]` float32."""
+    groups = query.shape[1] // keys.shape[1]
+    k = keys.float().repeat_interleave(groups, 1)
+    v = values.float().repeat_interleave(groups, 1)
+    scores = (query.float() @ k.transpose(-1, -2)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    return (torch.softmax(scores, -1) @ v)[:, :, 0]
+
+
+def decode_attention(query: torch.Tensor, view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor,
+                     scaling: float, softcap: float | None = None, idx: torch.Tensor | None = None,
+                     fused: bool = True) -> torch.Tensor:
+    """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
+    `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those. -> `[b, hq, d]`."""
+    module = cpu.load() if fused else None
+    if module is not None and query.device.type == "cpu":
+        q = query[:, :, 0].float().contiguous()
+        kp, km, kt, vp, vm, vt = kernel_args(view, tail_k, tail_v)
+        empty = torch.empty(0, dtype=torch.int64)
+        return module.decode_attention(q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0),
+                                       empty if idx is None else idx)
+    ks, vs = view.dense()
+    keys, values = torch.cat(ks + [tail_k.float()], -2), torch.cat(vs + [tail_v.float()], -2)
+    if idx is not None:
+        gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
+        keys, values = keys.gather(2, gather), values.gather(2, gather)
+    return reference_attention(query, keys, values, scaling, softcap)

@@ -1,0 +1,469 @@
+// Decode attention straight from encoded KV (one query token per sequence), flash-decoding style.
+//
+// The layer's K and V are runs of encoded tokens (bf16, FP8 E4M3, NVFP4, MXFP4, INT4/INT2 with
+// keys per token or grouped per channel as KIVI stores them, or float32 for the full-precision
+// tail). Each work item (batch row, KV head, slice of tokens) decodes a tile of at most 64 tokens
+// into a small buffer, scores it against every query head of the KV group (GQA: one pass over the
+// codes), and folds it into an online softmax; slices are merged at the end. Nothing the size of
+// the layer is ever decoded.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum Kind { F32 = 0, BF16 = 1, FP8 = 2, NVFP4 = 3, MXFP4 = 4, INT4 = 5, INT2 = 6 };
+constexpr int TILE = 64;
+constexpr int MAX_DIM = 1024;
+constexpr int MAX_GROUP = 4096;  // tokens per channel group of KIVI keys
+
+float E4M3[256];
+float E2M1[16];
+float INT4_CODES[256][2];  // a byte's two 4-bit codes, low bits first
+float INT2_CODES[256][4];  // a byte's four 2-bit codes
+
+struct Tables {
+  Tables() {
+    const float mags[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (int i = 0; i < 16; i++) E2M1[i] = (i & 8) ? -mags[i & 7] : mags[i & 7];
+    for (int x = 0; x < 256; x++) {
+      for (int j = 0; j < 2; j++) INT4_CODES[x][j] = (float)((x >> (4 * j)) & 15);
+      for (int j = 0; j < 4; j++) INT2_CODES[x][j] = (float)((x >> (2 * j)) & 3);
+    }
+    for (int x = 0; x < 256; x++) {
+      int e = (x >> 3) & 15, m = x & 7;
+      float v = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
+      if ((x & 0x7f) == 0x7f) v = std::numeric_limits<float>::quiet_NaN();
+      E4M3[x] = (x & 0x80) ? -v : v;
+    }
+  }
+} tables;
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
+  if (exp == 0) {
+    float v = std::ldexp((float)man, -24);
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), branch-free so loops vectorize: 2^t with
+// t = x log2(e) split into an integer n and f in [-0.5, 0.5], 2^f by a degree-6 polynomial
+// (relative error < 2e-7), 2^n through the exponent bits; below -87 the result is 0.
+inline float exp_neg(float x) {
+  float t = std::max(x, -87.f) * 1.44269504088896341f;
+  float n = std::nearbyint(t);
+  float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float e8m0(uint8_t s) {  // 2^(s - 127), exact (s = 0 is 2^-127, a subnormal)
+  if (s == 0) return std::ldexp(1.f, -127);
+  uint32_t bits = (uint32_t)s << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// One encoded run of one stream (K or V). Strides are in bytes; the two innermost dims of codes /
+// scales / mins are contiguous.
+struct Run {
+  int kind = F32;
+  bool channel = false;  // keys grouped per channel: codes [b, h, d, token_blocks, bytes]
+  int64_t length = 0, skip = 0;
+  int block = 0;  // elements per scale block (along head_dim, or along tokens when channel)
+  float tscale = 1.f;
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const uint8_t* mins = nullptr;
+  int64_t cs[4] = {0, 0, 0, 0}, ss[4] = {0, 0, 0, 0}, ms[4] = {0, 0, 0, 0};
+  int64_t visible() const { return length - skip; }
+};
+
+// Integer codes of `n` elements (`bits` wide, packed low bits first) as floats.
+inline void int_codes(const uint8_t* p, int n, int bits, float* out) {
+  if (bits == 4)
+    for (int j = 0; j < n / 2; j++) std::memcpy(out + 2 * j, INT4_CODES[p[j]], 8);
+  else
+    for (int j = 0; j < n / 4; j++) std::memcpy(out + 4 * j, INT2_CODES[p[j]], 16);
+}
+
+// Decode token `t` (row in the run, skip included) of a token-major run into out[0..d).
+void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, float* out) {
+  const uint8_t* c = r.codes + b * r.cs[0] + h * r.cs[1] + t * r.cs[2];
+  const uint8_t* s = r.scales ? r.scales + b * r.ss[0] + h * r.ss[1] + t * r.ss[2] : nullptr;
+  switch (r.kind) {
+    case F32:
+      std::memcpy(out, c, sizeof(float) * d);
+      break;
+    case BF16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(c);
+      for (int i = 0; i < d; i++) {
+        uint32_t u = (uint32_t)p[i] << 16;
+        std::memcpy(out + i, &u, 4);
+      }
+      break;
+    }
+    case FP8: {
+      const float* sc = reinterpret_cast<const float*>(s);
+      const int blk = r.block;
+      int i = 0;
+#ifdef __AVX2__
+      if (blk % 8 == 0) {  // E4M3 bits -> float32 bits: normals shift in place (+120 on the exponent),
+        const __m256i m7f = _mm256_set1_epi32(0x7f), sev = _mm256_set1_epi32(7), bias = _mm256_set1_epi32(120 << 23);
+        const __m256i s80 = _mm256_set1_epi32(0x80), zero = _mm256_setzero_si256();
+        const __m256 sub = _mm256_set1_ps(1.f / 512.f);  // subnormals are m * 2^-9
+        for (; i + 8 <= d; i += 8) {
+          int64_t word;
+          std::memcpy(&word, c + i, 8);
+          __m256i x = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word));
+          __m256i mag = _mm256_and_si256(x, m7f);
+          __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), bias));
+          __m256 sbn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, sev)), sub);
+          __m256 isn = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(mag, 3), zero));
+          __m256 v = _mm256_blendv_ps(nrm, sbn, isn);
+          v = _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, s80), 24)));
+          _mm256_storeu_ps(out + i, _mm256_mul_ps(v, _mm256_set1_ps(sc[i / blk])));
+        }
+      }
+#endif
+      for (; i < d; i++) out[i] = E4M3[c[i]] * sc[i / blk];
+      break;
+    }
+    case NVFP4:
+    case MXFP4: {
+      const int blk = r.block, half_blk = blk / 2;
+      const int nb = (d + blk - 1) / blk;
+      for (int k = 0; k < nb; k++) {
+        float scale = r.kind == NVFP4 ? E4M3[s[k]] * r.tscale : e8m0(s[k]);
+        const uint8_t* p = c + k * half_blk;
+        float* o = out + k * blk;
+#ifdef __AVX2__
+        const __m256 lut = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+        const __m256 vs = _mm256_set1_ps(scale);
+        const __m256i f = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+        for (int j = 0; j + 8 <= half_blk; j += 8) {  // 8 bytes -> 16 values
+          int64_t word;
+          std::memcpy(&word, p + j, 8);
+          __m256i w = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word));
+          __m256i lo = _mm256_and_si256(w, f), hi = _mm256_srli_epi32(w, 4);
+          __m256 vlo = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, lo),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(lo, eight), 28)));
+          __m256 vhi = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, hi),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi, eight), 28)));
+          __m256 a = _mm256_unpacklo_ps(vlo, vhi), bq = _mm256_unpackhi_ps(vlo, vhi);
+          _mm256_storeu_ps(o + 2 * j, _mm256_mul_ps(_mm256_permute2f128_ps(a, bq, 0x20), vs));
+          _mm256_storeu_ps(o + 2 * j + 8, _mm256_mul_ps(_mm256_permute2f128_ps(a, bq, 0x31), vs));
+        }
+        for (int j = half_blk - half_blk % 8; j < half_blk; j++) {
+#else
+        for (int j = 0; j < half_blk; j++) {
+#endif
+          o[2 * j] = E2M1[p[j] & 15] * scale;
+          o[2 * j + 1] = E2M1[p[j] >> 4] * scale;
+        }
+      }
+      break;
+    }
+    case INT4:
+    case INT2: {
+      const int bits = r.kind == INT4 ? 4 : 2;
+      const int blk = r.block, bytes = blk * bits / 8;
+      const int nb = (d + blk - 1) / blk;
+      const uint8_t* mn = r.mins + b * r.ms[0] + h * r.ms[1] + t * r.ms[2];
+      int_codes(c, nb * blk, bits, out);
+      for (int k = 0; k < nb; k++) {
+        const float scale = half_to_float(reinterpret_cast<const uint16_t*>(s)[k]);
+        const float lo = half_to_float(reinterpret_cast<const uint16_t*>(mn)[k]);
+        float* o = out + k * blk;
+        for (int j = 0; j < blk; j++) o[j] = lo + o[j] * scale;
+      }
+      (void)bytes;
+      break;
+    }
+  }
+}
+
+// Keys grouped per channel (KIVI): decode tokens [t0, t0 + n) of the run, transposed, into
+// outT[c * TILE + i] (token i of the tile, channel c). The tokens lie in one block of `block`.
+void decode_channel_tile(const Run& r, int64_t b, int64_t h, int64_t t0, int n, int d, float* outT) {
+  const int bits = r.kind == INT4 ? 4 : 2;
+  const int64_t blk = t0 / r.block, off = t0 % r.block;
+  float codes[MAX_GROUP];
+  for (int ch = 0; ch < d; ch++) {
+    const uint8_t* p = r.codes + b * r.cs[0] + h * r.cs[1] + ch * r.cs[2] + blk * r.cs[3];
+    float scale = half_to_float(*reinterpret_cast<const uint16_t*>(r.scales + b * r.ss[0] + h * r.ss[1] + ch * r.ss[2] + blk * r.ss[3]));
+    float lo = half_to_float(*reinterpret_cast<const uint16_t*>(r.mins + b * r.ms[0] + h * r.ms[1] + ch * r.ms[2] + blk * r.ms[3]));
+    float* o = outT + ch * TILE;
+    int_codes(p, (int)r.block, bits, codes);
+    for (int i = 0; i < n; i++) o[i] = lo + codes[off + i] * scale;
+  }
+}
+
+Run make_run(const std::vector<torch::Tensor>& parts, const int64_t* meta, float tscale, int64_t i) {
+  Run r;
+  r.kind = (int)meta[0];
+  r.channel = meta[1] != 0;
+  r.length = meta[2];
+  r.skip = meta[3];
+  r.block = (int)meta[4];
+  r.tscale = tscale;
+  TORCH_CHECK(r.kind >= F32 && r.kind <= INT2, "unknown run kind");
+  TORCH_CHECK(!r.channel || (r.block > 0 && r.block <= MAX_GROUP), "channel groups must hold 1..4096 tokens");
+  TORCH_CHECK(r.channel || r.kind <= BF16 || r.block > 0, "a block size is needed");
+  const torch::Tensor* ts[3] = {&parts[3 * i], &parts[3 * i + 1], &parts[3 * i + 2]};
+  const uint8_t** ptrs[3] = {&r.codes, &r.scales, &r.mins};
+  int64_t* strides[3] = {r.cs, r.ss, r.ms};
+  for (int k = 0; k < 3; k++) {
+    const torch::Tensor& t = *ts[k];
+    if (!t.defined() || t.numel() == 0) continue;
+    TORCH_CHECK(t.stride(-1) == 1, "encoded parts need a contiguous last dimension");
+    *ptrs[k] = reinterpret_cast<const uint8_t*>(t.data_ptr());
+    int64_t es = t.element_size();
+    for (int j = 0; j < std::min<int64_t>(4, t.dim()); j++) strides[k][j] = t.stride(j) * es;
+  }
+  return r;
+}
+
+struct Partial {
+  std::vector<float> m, l, acc;  // [G], [G], [G * d]
+};
+
+// A tile: `n` consecutive visible tokens of segment `seg`, starting at row `row` (skip included),
+// or, in sparse mode, `n` rows listed in `rows`.
+struct Tile {
+  int seg;
+  int64_t row;
+  int n;
+};
+
+void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Tile* tiles, int ntiles,
+                  const int64_t* rows, const float* q, int G, int d, int dp, int64_t b, int64_t h, float scaling,
+                  float softcap, Partial& out) {
+  std::vector<float> kbuf(TILE * dp), vrow(dp), s(G * TILE);
+  out.m.assign(G, -std::numeric_limits<float>::infinity());
+  out.l.assign(G, 0.f);
+  out.acc.assign((size_t)G * d, 0.f);
+  for (int ti = 0; ti < ntiles; ti++) {
+    const Tile& tile = tiles[ti];
+    const Run& kr = K[tile.seg];
+    const Run& vr = V[tile.seg];
+    const int n = tile.n;
+    // scores s[g * TILE + i]
+    if (kr.channel) {
+      decode_channel_tile(kr, b, h, tile.row, n, d, kbuf.data());
+      for (int g = 0; g < G; g++) {
+        float* sg = s.data() + g * TILE;
+        for (int i = 0; i < n; i++) sg[i] = 0.f;
+        const float* qg = q + g * d;
+        for (int c = 0; c < d; c++) {
+          const float qc = qg[c];
+          const float* kc = kbuf.data() + c * TILE;
+          for (int i = 0; i < n; i++) sg[i] += qc * kc[i];
+        }
+      }
+    } else {
+      for (int i = 0; i < n; i++) {
+        int64_t row = rows ? rows[ti * TILE + i] : tile.row + i;
+        decode_row(kr, b, h, row, d, kbuf.data() + i * dp);
+      }
+      for (int g = 0; g < G; g++) {
+        const float* qg = q + g * d;
+        for (int i = 0; i < n; i++) {
+          const float* k = kbuf.data() + i * dp;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int c = 0; c < d; c++) acc += qg[c] * k[c];
+          s[g * TILE + i] = acc;
+        }
+      }
+    }
+    // online softmax
+    for (int g = 0; g < G; g++) {
+      float* sg = s.data() + g * TILE;
+      float mt = -std::numeric_limits<float>::infinity();
+      for (int i = 0; i < n; i++) {
+        float x = sg[i] * scaling;
+        if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
+        sg[i] = x;
+        mt = std::max(mt, x);
+      }
+      float mnew = std::max(out.m[g], mt);
+      float corr = std::exp(out.m[g] - mnew);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int i = 0; i < n; i++) {
+        sg[i] = exp_neg(sg[i] - mnew);
+        sum += sg[i];
+      }
+      out.l[g] = out.l[g] * corr + sum;
+      out.m[g] = mnew;
+      if (corr != 1.f) {
+        float* a = out.acc.data() + g * d;
+        for (int c = 0; c < d; c++) a[c] *= corr;
+      }
+    }
+    for (int i = 0; i < n; i++) {
+      int64_t row = rows ? rows[ti * TILE + i] : tile.row + i;
+      decode_row(vr, b, h, row, d, vrow.data());
+      for (int g = 0; g < G; g++) {
+        const float p = s[g * TILE + i];
+        float* a = out.acc.data() + g * d;
+#pragma omp simd
+        for (int c = 0; c < d; c++) a[c] += p * vrow[c];
+      }
+    }
+  }
+}
+
+// Tiles covering the visible tokens of every run in order; channel-grouped keys' tiles stay inside
+// one group so a tile decodes from one block of scales.
+std::vector<Tile> dense_tiles(const std::vector<Run>& K) {
+  std::vector<Tile> tiles;
+  for (int sgi = 0; sgi < (int)K.size(); sgi++) {
+    const Run& r = K[sgi];
+    int64_t t = r.skip;
+    while (t < r.length) {
+      int64_t end = std::min<int64_t>(r.length, t + TILE);
+      if (r.channel) end = std::min<int64_t>(end, (t / r.block + 1) * r.block);
+      tiles.push_back({sgi, t, (int)(end - t)});
+      t = end;
+    }
+  }
+  return tiles;
+}
+
+}  // namespace
+
+// q: [B, Hq, d] float32; parts: 3 tensors per run (codes, scales, mins; undefined/empty when unused);
+// meta: int64 [runs, 5] (kind, channel, length, skip, block); tscale: float32 [runs]; K and V runs
+// pair up (same tokens). idx: int64 [B, Hk, m] logical positions over the visible tokens of the runs
+// in order (sorted), or empty for every token. Returns [B, Hq, d] float32.
+torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kparts, torch::Tensor kmeta, torch::Tensor kts,
+                               std::vector<torch::Tensor> vparts, torch::Tensor vmeta, torch::Tensor vts, double scaling,
+                               double softcap, torch::Tensor idx) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be contiguous float32 [B, Hq, d]");
+  const int64_t B = q.size(0), Hq = q.size(1);
+  const int d = (int)q.size(2);
+  TORCH_CHECK(d <= MAX_DIM, "head_dim too large");
+  auto km = kmeta.contiguous(), vm = vmeta.contiguous();
+  auto kt = kts.contiguous(), vt = vts.contiguous();
+  const int64_t nruns = km.size(0);
+  TORCH_CHECK(vm.size(0) == nruns && (int64_t)kparts.size() == 3 * nruns && (int64_t)vparts.size() == 3 * nruns,
+              "K and V need the same runs");
+  std::vector<Run> K, V;
+  int dp = d;
+  for (int64_t i = 0; i < nruns; i++) {
+    K.push_back(make_run(kparts, km.data_ptr<int64_t>() + 5 * i, kt.data_ptr<float>()[i], i));
+    V.push_back(make_run(vparts, vm.data_ptr<int64_t>() + 5 * i, vt.data_ptr<float>()[i], i));
+    for (const Run* r : {&K.back(), &V.back()})
+      if (!r->channel && r->block > 0) dp = std::max(dp, (int)((d + r->block - 1) / r->block * r->block));
+  }
+  // Channel-grouped key runs decode into a [d, TILE] buffer; rows need dp columns
+  const int64_t Hk = K.empty() ? 1 : (kparts[0].dim() >= 2 ? kparts[0].size(1) : 1);
+  TORCH_CHECK(Hq % Hk == 0, "query heads must be a multiple of KV heads");
+  const int G = (int)(Hq / Hk);
+  const bool sparse = idx.defined() && idx.numel() > 0;
+  std::vector<int64_t> starts;  // logical position where each run's visible tokens begin
+  int64_t total = 0;
+  for (const Run& r : K) {
+    starts.push_back(total);
+    total += r.visible();
+  }
+  std::vector<Tile> all = sparse ? std::vector<Tile>() : dense_tiles(K);
+  const int64_t m = sparse ? idx.size(2) : 0;
+  const int64_t units = sparse ? (m + TILE - 1) / TILE : (int64_t)all.size();
+  const int threads = at::get_num_threads();
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(units, (2 * threads + B * Hk - 1) / (B * Hk)));
+  if (units < 4) splits = 1;
+  std::vector<Partial> parts(B * Hk * splits);
+  auto idxc = sparse ? idx.to(torch::kInt64).contiguous() : idx;
+  const float* qp = q.data_ptr<float>();
+  at::parallel_for(0, B * Hk * splits, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; w++) {
+      const int64_t sp = w % splits, bh = w / splits, b = bh / Hk, h = bh % Hk;
+      const int64_t u0 = units * sp / splits, u1 = units * (sp + 1) / splits;
+      const float* qg = qp + (b * Hq + h * G) * d;
+      if (!sparse) {
+        attend_tiles(K, V, all.data() + u0, (int)(u1 - u0), nullptr, qg, G, d, dp, b, h, (float)scaling,
+                     (float)softcap, parts[w]);
+        continue;
+      }
+      // sparse: map each listed position to (run, row), in tiles of one run each
+      const int64_t* pos = idxc.data_ptr<int64_t>() + (b * Hk + h) * m;
+      std::vector<Tile> tiles;
+      std::vector<int64_t> rows;
+      int64_t e0 = u0 * TILE, e1 = std::min<int64_t>(m, u1 * TILE);
+      int run = 0;
+      for (int64_t e = e0; e < e1; e++) {
+        int64_t p = pos[e];
+        TORCH_CHECK(p >= 0 && p < total, "sparse position out of range");
+        while (run + 1 < (int)K.size() && p >= starts[run + 1]) run++;
+        while (run > 0 && p < starts[run]) run--;
+        if (tiles.empty() || tiles.back().seg != run || tiles.back().n == TILE || K[run].channel) {
+          tiles.push_back({run, 0, 0});
+          rows.resize(tiles.size() * TILE);
+        }
+        Tile& t = tiles.back();
+        int64_t row = p - starts[run] + K[run].skip;
+        if (K[run].channel) t.row = row;
+        rows[(tiles.size() - 1) * TILE + t.n] = row;
+        t.n++;
+      }
+      attend_tiles(K, V, tiles.data(), (int)tiles.size(), rows.data(), qg, G, d, dp, b, h, (float)scaling,
+                   (float)softcap, parts[w]);
+    }
+  });
+  auto out = torch::zeros({B, Hq, d}, q.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * Hk; bh++) {
+    const int64_t b = bh / Hk, h = bh % Hk;
+    for (int g = 0; g < G; g++) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < splits; sp++) M = std::max(M, parts[bh * splits + sp].m[g]);
+      float L = 0.f;
+      float* o = op + (b * Hq + h * G + g) * d;
+      for (int64_t sp = 0; sp < splits; sp++) {
+        const Partial& P = parts[bh * splits + sp];
+        if (P.l[g] == 0.f) continue;
+        float w = std::exp(P.m[g] - M);
+        L += P.l[g] * w;
+        for (int c = 0; c < d; c++) o[c] += P.acc[(size_t)g * d + c] * w;
+      }
+      if (L > 0.f)
+        for (int c = 0; c < d; c++) o[c] /= L;
+    }
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
+}
