@@ -54,6 +54,10 @@ class NVFP4:
             parts["tensor_scale"] = ts.reshape(1)
         return QTensor(codec_spec(self), tuple(x.shape), x.dtype, parts)
 
+    def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
+        """The tensor scale for a tensor whose largest magnitude is `amax`."""
+        return tensor_scale(amax) if self.tensor_scale else torch.ones(())
+
     def fits(self, x: torch.Tensor, scale: torch.Tensor) -> bool:
         """Whether `x` can be encoded under the held tensor `scale` as well as under its own: its
         largest block scale neither saturates E4M3 nor falls below E4M3's normal range."""

@@ -12,8 +12,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvstrata.codecs.qtensor import held_bytes
-from kvstrata.hf.segments import Segment, decode_segment, drop_front, encode_segment
+from kvstrata.hf.attention import offer, reads_encoded, use_fused
+from kvstrata.hf.segments import APPEND_ROWS, COMPACT_ROWS, Segment, append, decode_segment, drop_front, encode_segment, shrink
 from kvstrata.methods import MethodSpec, StoreRecipe, parse_method
+from kvstrata.read.decode import EncodedView
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -22,6 +24,7 @@ class CompressedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    reads_views = True  # a decode step can attend straight from the encoded segments
 
     def __init__(self, recipe: StoreRecipe, **kwargs):
         super().__init__()
@@ -31,6 +34,8 @@ class CompressedLayer(CacheLayerMixin):
         self.known_until = 0  # positions below this are already held (bounded replay): not appended again
         self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
         self.read_prefix = (0, 0)  # (generation, n): the last update's K/V began with n rows from encoded storage
+        self.fused_read = False  # set by the cache when the model's attention takes encoded views
+        self.offered: EncodedView | None = None  # the last decode step's encoded part, for attention
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -47,12 +52,25 @@ class CompressedLayer(CacheLayerMixin):
             vs.append(v)
         return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
 
+    def view(self) -> EncodedView:
+        """The encoded segments as they are now (later appends do not change it)."""
+        runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
+        return EncodedView(self.recipe.codec_obj, self.recipe.key_axis == "channel", runs, self.generation)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
+        decode step whose attention reads encoded views, only the full-precision tail + the new
+        tokens, with the encoded part left in `offered` (no dense copy is made)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         first = self.cumulative_length == 0
-        past_k, past_v = self.dense()
-        self.read_prefix = (self.generation, past_k.shape[-2] - self.keys.shape[-2])
+        fused = self.fused_read and self.reads_views and key_states.shape[-2] == 1 and not first
+        if fused:
+            view, past_k, past_v = self.view(), self.keys, self.values
+            self.read_prefix = (self.generation, view.tokens)
+        else:
+            past_k, past_v = self.dense()
+            self.read_prefix = (self.generation, past_k.shape[-2] - self.keys.shape[-2])
         skip = self._known(key_states.shape[-2])
         self.cumulative_length += key_states.shape[-2]
         key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
@@ -62,6 +80,7 @@ class CompressedLayer(CacheLayerMixin):
             self._keep(scores=None)
         self._trim()  # first, so tokens already out of a sliding window are never encoded
         self._flush()
+        self.offered = view if fused else None
         # New tokens are attended in full precision now; later steps read them encoded.
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
 
@@ -100,7 +119,12 @@ class CompressedLayer(CacheLayerMixin):
         n -= n % group
         if n <= 0:
             return
-        self.segments.append(encode_segment(self.recipe, self.keys[..., :n, :], self.values[..., :n, :]))
+        k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        if not (self.segments and append(self.recipe, self.segments[-1], k, v)):
+            # the first segment (the prefill) is exact; later small flushes reserve rows to append to
+            rows = max(APPEND_ROWS, 4 * group)
+            reserve = rows - n if self.segments and n < rows else 0
+            self.segments.append(encode_segment(self.recipe, k, v, reserve))
         self.keys = self.keys[..., n:, :].clone()
         self.values = self.values[..., n:, :].clone()
 
@@ -123,6 +147,11 @@ class CompressedLayer(CacheLayerMixin):
             return 0
         tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
         return held_bytes(tensors)
+
+    def shrink(self) -> None:
+        """Free the rows reserved for appends (what `nbytes` counts is then exactly the tokens held)."""
+        for seg in self.segments:
+            shrink(seg)
 
     def _known(self, n: int) -> int:
         """How many of the next `n` tokens are already held (replayed positions)."""
@@ -166,6 +195,7 @@ class CompressedLayer(CacheLayerMixin):
         for seg in self.segments:
             for q in (seg.keys, seg.values):
                 q.parts = {k: (t if k == "tensor_scale" else fn(t)) for k, t in q.parts.items()}
+            seg.buffers = {}  # the parts are new tensors now: nothing to append into
         if self.is_initialized:
             self.keys, self.values = fn(self.keys), fn(self.values)
 
@@ -195,7 +225,7 @@ class CompressedSlidingLayer(CompressedLayer):
             self.generation += 1
         while excess > 0 and self.segments:
             seg = self.segments[0]
-            kept = drop_front(self.recipe, seg, excess)
+            kept = drop_front(self.recipe, seg, excess, COMPACT_ROWS)
             excess -= seg.visible - (kept.visible if kept else 0)
             if kept is None:
                 self.segments.pop(0)
@@ -231,8 +261,13 @@ def layer_classes(config) -> list[tuple[str, int | None]]:
 class CompressedCache(Cache):
     """`Cache` whose every layer encodes K/V with the recipe for its layer class."""
 
-    def __init__(self, config, method: str | MethodSpec = "bf16"):
+    def __init__(self, config, method: str | MethodSpec = "bf16", fused: bool = True):
+        """`fused`: decode steps attend straight from the encoded segments (the model's config is
+        switched to kvstrata's attention, which otherwise behaves as the one it replaces)."""
         self.method = parse_method(method) if isinstance(method, str) else method
+        self.text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if fused:
+            use_fused(self.text_config)
         classes = layer_classes(config)
         layers: list[CacheLayerMixin] = []
         for cls, window in classes:
@@ -266,6 +301,15 @@ class CompressedCache(Cache):
                 self.depth_groups.append((run, group))
                 run = []
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        layer.fused_read = reads_encoded(self.text_config)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer.offered is not None:
+            offer(layer_idx, layer.offered)
+            layer.offered = None
+        return out
+
     def head_modes(self) -> dict[str, int]:
         """How many (group, KV head) pairs each depth mode holds: the probe's decisions, {} without
         depth sharing or before a group is encoded."""
@@ -295,6 +339,12 @@ class CompressedCache(Cache):
             if queries is not None and hasattr(layer, "set_queries"):
                 layer.set_queries(queries[i])
             layer.load_prefill(k, v, seen, scores[i] if scores is not None else None)
+
+    def shrink(self) -> None:
+        """Free every layer's rows reserved for decode-time appends (e.g. when a generation ends)."""
+        for layer in self.layers:
+            if hasattr(layer, "shrink"):
+                layer.shrink()
 
     def bytes_per_token(self) -> float:
         """Stored bytes divided by the tokens the cache has seen."""

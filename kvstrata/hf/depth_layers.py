@@ -67,6 +67,8 @@ class DepthGroup:
 class DepthLayer(CompressedLayer):
     """Member `index` of a DepthGroup; its own storage is only its full-precision tail."""
 
+    reads_views = False  # decode attention decodes the group's blocks (no fused path yet)
+
     def __init__(self, recipe: StoreRecipe, index: int):
         super().__init__(recipe)
         self.index = index

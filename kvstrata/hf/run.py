@@ -61,6 +61,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
             **{cache_kwarg(model): cache},
         )
     new = out[0, prompt_ids.shape[1]:].tolist()
+    cache.shrink()  # rows reserved for further decode steps are not part of what the cache stores
     seen = cache.get_seq_length()
     total = cache.nbytes()["total"]
     return Generation(

@@ -18,6 +18,10 @@ from kvstrata.methods import StoreRecipe
 APPEND_ROWS = 64
 #: hidden front tokens a sliding layer tolerates before it copies the rest to free them
 COMPACT_ROWS = 64
+#: a segment with spare rows takes its tensor scale (NVFP4) this many times above its first rows'
+#: largest magnitude, so later rows up to that size still fit; block scales stay in E4M3's normal
+#: range, where its relative precision does not depend on the magnitude
+HEADROOM = 4.0
 
 
 @dataclass
@@ -55,7 +59,11 @@ def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor
     `reserve` spare tokens are allocated for later `append`s."""
     codec = recipe.codec_obj
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
-    seg = Segment(codec.encode(kt), codec.encode(values), keys.shape[-2])
+    if reserve and hasattr(codec, "fits"):
+        seg = Segment(*(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)) for x in (kt, values)),
+                      keys.shape[-2])
+    else:
+        seg = Segment(codec.encode(kt), codec.encode(values), keys.shape[-2])
     if reserve:
         _reserve(recipe, seg, reserve)
     return seg
@@ -91,6 +99,15 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
     seg.length += n
     _views(recipe, seg)
     return True
+
+
+def shrink(seg: Segment) -> None:
+    """Give back `seg`'s spare rows (its parts become exact copies); no more appends into it."""
+    if not seg.buffers:
+        return
+    for q in (seg.keys, seg.values):
+        q.parts = {p: (t if p == "tensor_scale" else t.clone()) for p, t in q.parts.items()}
+    seg.buffers = {}
 
 
 def _reserve(recipe: StoreRecipe, seg: Segment, extra: int) -> None:

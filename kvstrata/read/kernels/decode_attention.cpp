@@ -116,7 +116,7 @@ inline void int_codes(const uint8_t* p, int n, int bits, float* out) {
 }
 
 // Decode token `t` (row in the run, skip included) of a token-major run into out[0..d).
-void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, float* out) {
+inline void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, float* out) {
   const uint8_t* c = r.codes + b * r.cs[0] + h * r.cs[1] + t * r.cs[2];
   const uint8_t* s = r.scales ? r.scales + b * r.ss[0] + h * r.ss[1] + t * r.ss[2] : nullptr;
   switch (r.kind) {
@@ -264,10 +264,68 @@ struct Tile {
   int n;
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The 8 horizontal sums of a[0..8) as one vector.
+inline __m256 hsum8(const __m256* a) {
+  __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+// s[i] = q . k[i] for the n rows of `kbuf` (row stride dp).
+inline void dots(const float* q, const float* kbuf, int n, int d, int dp, float* s) {
+  int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (d % 8 == 0) {
+    for (; i + 8 <= n; i += 8) {
+      __m256 a[8];
+      for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+      for (int c = 0; c < d; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbuf + (int64_t)(i + j) * dp + c), a[j]);
+      }
+      _mm256_storeu_ps(s + i, hsum8(a));
+    }
+  }
+#endif
+  for (; i < n; i++) {
+    const float* k = kbuf + (int64_t)i * dp;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int c = 0; c < d; c++) acc += q[c] * k[c];
+    s[i] = acc;
+  }
+}
+
+// acc[0..d) += sum_i p[i] * v[i] over the n rows of `vbuf` (row stride dp).
+inline void accumulate(const float* p, const float* vbuf, int n, int d, int dp, float* acc) {
+  int c0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; c0 + 64 <= d; c0 += 64) {  // 8 registers of the output stay put over the tile
+    __m256 r[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(acc + c0 + 8 * j);
+    for (int i = 0; i < n; i++) {
+      const __m256 pv = _mm256_set1_ps(p[i]);
+      const float* v = vbuf + (int64_t)i * dp + c0;
+      for (int j = 0; j < 8; j++) r[j] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * j), r[j]);
+    }
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + c0 + 8 * j, r[j]);
+  }
+#endif
+  for (int i = 0; i < n; i++) {
+    const float pi = p[i];
+    const float* v = vbuf + (int64_t)i * dp;
+#pragma omp simd
+    for (int c = c0; c < d; c++) acc[c] += pi * v[c];
+  }
+}
+
 void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Tile* tiles, int ntiles,
                   const int64_t* rows, const float* q, int G, int d, int dp, int64_t b, int64_t h, float scaling,
                   float softcap, Partial& out) {
-  std::vector<float> kbuf(TILE * dp), vrow(dp), s(G * TILE);
+  std::vector<float> kbuf(TILE * dp), vbuf(TILE * dp), s(G * TILE);
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.f);
   out.acc.assign((size_t)G * d, 0.f);
@@ -286,24 +344,14 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
         for (int c = 0; c < d; c++) {
           const float qc = qg[c];
           const float* kc = kbuf.data() + c * TILE;
+#pragma omp simd
           for (int i = 0; i < n; i++) sg[i] += qc * kc[i];
         }
       }
     } else {
-      for (int i = 0; i < n; i++) {
-        int64_t row = rows ? rows[ti * TILE + i] : tile.row + i;
-        decode_row(kr, b, h, row, d, kbuf.data() + i * dp);
-      }
-      for (int g = 0; g < G; g++) {
-        const float* qg = q + g * d;
-        for (int i = 0; i < n; i++) {
-          const float* k = kbuf.data() + i * dp;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int c = 0; c < d; c++) acc += qg[c] * k[c];
-          s[g * TILE + i] = acc;
-        }
-      }
+      for (int i = 0; i < n; i++)
+        decode_row(kr, b, h, rows ? rows[ti * TILE + i] : tile.row + i, d, kbuf.data() + (int64_t)i * dp);
+      for (int g = 0; g < G; g++) dots(q + g * d, kbuf.data(), n, d, dp, s.data() + g * TILE);
     }
     // online softmax
     for (int g = 0; g < G; g++) {
@@ -315,8 +363,8 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
         sg[i] = x;
         mt = std::max(mt, x);
       }
-      float mnew = std::max(out.m[g], mt);
-      float corr = std::exp(out.m[g] - mnew);
+      const float mnew = std::max(out.m[g], mt);
+      const float corr = std::exp(out.m[g] - mnew);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int i = 0; i < n; i++) {
@@ -330,16 +378,9 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
         for (int c = 0; c < d; c++) a[c] *= corr;
       }
     }
-    for (int i = 0; i < n; i++) {
-      int64_t row = rows ? rows[ti * TILE + i] : tile.row + i;
-      decode_row(vr, b, h, row, d, vrow.data());
-      for (int g = 0; g < G; g++) {
-        const float p = s[g * TILE + i];
-        float* a = out.acc.data() + g * d;
-#pragma omp simd
-        for (int c = 0; c < d; c++) a[c] += p * vrow[c];
-      }
-    }
+    for (int i = 0; i < n; i++)
+      decode_row(vr, b, h, rows ? rows[ti * TILE + i] : tile.row + i, d, vbuf.data() + (int64_t)i * dp);
+    for (int g = 0; g < G; g++) accumulate(s.data() + g * TILE, vbuf.data(), n, d, dp, out.acc.data() + g * d);
   }
 }
 

@@ -1,0 +1,141 @@
+"""kvstrata's attention functions in transformers' `AttentionInterface`, and the one accessor for a
+config's attention implementation.
+
+`CompressedCache` selects the `kvstrata` implementation on the model's config when it is built.
+That function behaves exactly like the implementation it replaced (sdpa, or eager) for every call
+but one: a decode step whose cache layer offered its encoded storage (`offer`, called from the
+cache's `update` right before the model calls attention for that layer). Then it attends straight
+from the codes (`kvstrata.read.decode.decode_attention`) and the layer never builds a dense copy.
+The offer lives in a `ContextVar`, so threads (a server) never see each other's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextvars import ContextVar
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from kvstrata.read.decode import EncodedView, decode_attention
+
+NAME = "kvstrata"
+_OFFER: ContextVar[tuple[int, EncodedView] | None] = ContextVar("kvstrata_offer", default=None)
+_BASE: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (config, the implementation we replaced)
+
+
+def attention_implementation(config) -> str | None:
+    """The attention implementation a config selects (transformers keeps it in a private field)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(config, name: str) -> None:
+    config._attn_implementation = name
+
+
+def base_implementation(config) -> str:
+    """What `kvstrata` delegates to for this config: the implementation it replaced."""
+    ref, name = _BASE.get(id(config), (None, "sdpa"))
+    return name if ref is not None and ref() is config else "sdpa"
+
+
+def use_fused(config) -> None:
+    """Select `kvstrata` attention on `config` (and so on every model sharing it), remembering the
+    implementation it replaces; idempotent."""
+    current = attention_implementation(config)
+    if current == NAME:
+        return
+    key = id(config)
+    _BASE[key] = (weakref.ref(config, lambda _: _BASE.pop(key, None)), current if current in ("sdpa", "eager") else "sdpa")
+    set_attention_implementation(config, NAME)
+
+
+def reads_encoded(config) -> bool:
+    """Whether a decode step's attention on `config` can take an offered encoded view."""
+    return attention_implementation(config) in READERS
+
+
+def offer(layer_idx: int, view: EncodedView) -> None:
+    """The cache's `update` for `layer_idx` returned only its full-precision tail; the rest is `view`."""
+    _OFFER.set((layer_idx, view))
+
+
+def take(layer_idx: int) -> EncodedView | None:
+    """The view offered for `layer_idx` (once), or None."""
+    got = _OFFER.get()
+    if got is None or got[0] != layer_idx:
+        return None
+    _OFFER.set(None)
+    return got[1]
+
+
+def eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """Plain attention (GQA, additive or boolean mask, optional softcap): `[b, q, hq, d]` and the
+    probabilities `[b, hq, q, kv]`. The one eager implementation kvstrata's hooks share."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[..., : k.shape[-2]]
+        low = torch.finfo(scores.dtype).min  # not -inf: a fully masked (padding) row stays finite
+        scores = scores.masked_fill(~mask, low) if mask.dtype == torch.bool else scores + mask
+    elif query.shape[2] > 1:  # sdpa-style masks leave plain causal attention to the kernel: apply it
+        q_len, kv_len = query.shape[2], k.shape[-2]
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
+
+
+def delegate(module, query, key, value, attention_mask, **kwargs):
+    """Attention as the replaced implementation computes it."""
+    if base_implementation(module.config) == "sdpa" and kwargs.get("softcap") is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return eager_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def all_visible(mask: torch.Tensor | None, kv_len: int) -> bool:
+    """A decode step's mask hides nothing among `kv_len` keys (no padding, nothing out of window)."""
+    if mask is None:
+        return True
+    if mask.shape[-1] < kv_len:
+        return False
+    m = mask[..., :kv_len]
+    return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
+
+
+def attend_view(module, query, view: EncodedView, key, value, attention_mask, scaling=None, **kwargs):
+    """A decode step over `view` + the tail `key, value`: fused when the mask hides nothing, else
+    through the dense reference (decoded once) and the replaced implementation."""
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.shape[2] == 1 and all_visible(attention_mask, view.tokens + key.shape[-2]):
+        out = decode_attention(query, view, key, value, scaling, kwargs.get("softcap"))
+        return out[:, None].to(query.dtype), None
+    ks, vs = view.dense(key.dtype)
+    key, value = torch.cat(ks + [key], -2), torch.cat(vs + [value], -2)
+    return delegate(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _kvstrata_attention(module, query, key, value, attention_mask, **kwargs):
+    view = take(module.layer_idx)
+    if view is None:
+        return delegate(module, query, key, value, attention_mask, **kwargs)
+    return attend_view(module, query, view, key, value, attention_mask, **kwargs)
+
+
+READERS = {NAME}
+
+
+def register_reader(name: str, fn) -> None:
+    """Register an attention implementation that accepts offered views (the sparse reader)."""
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    READERS.add(name)
+
+
+register_reader(NAME, _kvstrata_attention)

@@ -1,0 +1,119 @@
+"""Decode attention straight from encoded KV equals decode-then-attend, for every registered codec."""
+
+import pytest
+import torch
+
+from kvstrata.hf import CompressedCache
+from kvstrata.hf import attention as attn
+from kvstrata.hf.run import forward
+from kvstrata.hf.segments import encode_segment
+from kvstrata.methods import METHODS, parse_method
+from kvstrata.read import decode
+from kvstrata.read.decode import EncodedView, decode_attention
+from kvstrata.read.kernels import cpu
+
+STORE = [n for n, e in METHODS.items() if e.stratum == "store"]
+SPECS = [f"{n}:r=0" if e.defaults.get("keys") == "channel" else n for n, e in METHODS.items() if e.stratum == "store"]
+SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "fp8:block=32", "nvfp4;sliding=fp8", "mxfp4:r=5"]
+# shapes: (batch, query heads, kv heads, head_dim) as SmolLM2 (GQA 3) and Gemma-3 (GQA 4, d = 256) have them
+SHAPES = [(1, 9, 3, 64), (2, 4, 1, 256), (1, 2, 2, 48)]
+
+
+def test_the_kernel_builds_here():
+    assert cpu.load() is not None, "the C++ decode kernel must build on this machine (gcc is there)"
+
+
+def _view(spec, shape, seed=0, lengths=(64, 37, 1)):
+    b, hq, hk, d = shape
+    g = torch.Generator().manual_seed(seed)
+    rec = parse_method(spec).full
+    group = rec.key_group
+    runs = []
+    for n in lengths:
+        n = -(-n // group) * group
+        k, v = torch.randn(b, hk, n, d, generator=g) * 3, torch.randn(b, hk, n, d, generator=g)
+        seg = encode_segment(rec, k, v)
+        runs.append((seg.keys, seg.values, min(5, n - 1) if len(runs) == 0 else 0))
+    tail = [torch.randn(b, hk, 2, d, generator=g) for _ in range(2)]
+    q = torch.randn(b, hq, 1, d, generator=g)
+    return EncodedView(rec.codec_obj, rec.key_axis == "channel", runs), tail, q
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_equals_decode_then_attend(spec, shape):
+    view, (tk, tv), q = _view(spec, shape)
+    ref = decode_attention(q, view, tk, tv, 0.1, fused=False)
+    got = decode_attention(q, view, tk, tv, 0.1)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    capped = decode_attention(q, view, tk, tv, 0.1, softcap=5.0)
+    torch.testing.assert_close(capped, decode_attention(q, view, tk, tv, 0.1, softcap=5.0, fused=False),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_sparse_positions_read_only_those(spec):
+    view, (tk, tv), q = _view(spec, (1, 9, 3, 64), seed=1)
+    total = view.tokens + tk.shape[-2]
+    g = torch.Generator().manual_seed(2)
+    idx = torch.stack([torch.randperm(total, generator=g)[:30].sort().values for _ in range(3)])[None]
+    ref = decode_attention(q, view, tk, tv, 0.1, idx=idx, fused=False)
+    torch.testing.assert_close(decode_attention(q, view, tk, tv, 0.1, idx=idx), ref, rtol=1e-4, atol=1e-5)
+    # reading every position is dense attention
+    every = torch.arange(total).expand(1, 3, total)
+    torch.testing.assert_close(decode_attention(q, view, tk, tv, 0.1, idx=every),
+                               decode_attention(q, view, tk, tv, 0.1), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_kinds_cover_every_codec():
+    assert set(STORE) <= set(decode._KINDS), "a registered codec has no decode-attention kind"
+
+
+def _decode_logits(model, spec, fused, steps=12, prefill=40):
+    ids = torch.randint(0, 256, (1, prefill + steps), generator=torch.Generator().manual_seed(3))
+    cache = CompressedCache(model.config, spec, fused=fused)
+    out = [forward(model, ids[:, :prefill], cache)]
+    for i in range(prefill, prefill + steps):
+        out.append(forward(model, ids[:, i : i + 1], cache))
+    return torch.cat(out, 1), cache
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_model_logits_fused_equal_reference(spec, arch, tiny_llama, tiny_gemma, monkeypatch):
+    model = tiny_llama if arch == "llama" else tiny_gemma
+    calls = []
+    real = decode.decode_attention
+
+    def counted(*a, **k):
+        calls.append(k.get("fused", True))
+        return real(*a, **k)
+
+    monkeypatch.setattr(attn, "decode_attention", counted)
+    got, cache = _decode_logits(model, spec, fused=True)
+    assert len(calls) == 12 * len(cache.layers), "every decode step of every layer reads the encoded view"
+    ref, ref_cache = _decode_logits(model, spec, fused=False)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert cache.nbytes() == ref_cache.nbytes() and cache.get_seq_length() == ref_cache.get_seq_length()
+
+
+def test_decode_steps_append_in_place(tiny_llama):
+    """A decode step encodes its token into the last segment's spare rows: segments stay few."""
+    _, cache = _decode_logits(tiny_llama, "nvfp4", fused=True, steps=30)
+    for layer in cache.layers:
+        assert len(layer.segments) <= 3  # the prefill, then one segment with room for 64 tokens
+        assert sum(s.visible for s in layer.segments) == 70
+
+
+def test_a_padding_mask_falls_back_to_the_reference(tiny_llama):
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding on the second row
+    outs = []
+    for fused in (True, False):
+        cache = CompressedCache(tiny_llama.config, "fp8", fused=fused)
+        with torch.inference_mode():
+            out = tiny_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                      past_key_values=cache, pad_token_id=0)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
