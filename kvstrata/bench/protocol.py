@@ -23,7 +23,7 @@ from kvstrata.hf.probe import probing
 from kvstrata.hf.run import forward
 from kvstrata.keep import window_scores
 from kvstrata.methods import MethodSpec
-from kvstrata.read import reading
+from kvstrata.hf.reading import reading
 
 
 @dataclass

@@ -266,6 +266,7 @@ class CompressedCache(Cache):
         switched to kvstrata's attention, which otherwise behaves as the one it replaces)."""
         self.method = parse_method(method) if isinstance(method, str) else method
         self.text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.fused = fused
         if fused:
             use_fused(self.text_config)
         classes = layer_classes(config)
@@ -303,7 +304,7 @@ class CompressedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        layer.fused_read = reads_encoded(self.text_config)
+        layer.fused_read = self.fused and reads_encoded(self.text_config)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer.offered is not None:
             offer(layer_idx, layer.offered)

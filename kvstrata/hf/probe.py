@@ -10,11 +10,14 @@ extension points, so no model code or private keyword argument is touched.
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+from kvstrata.hf.attention import attention_implementation, eager_attention
 
 NAME = "kvstrata_probe"
 
@@ -25,25 +28,17 @@ class Recording:
     probs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [b, q_heads, w, kv_len]
 
 
-_ACTIVE: list[Recording] = []
+_ACTIVE: ContextVar[Recording | None] = ContextVar("kvstrata_probe", default=None)
 
 
-def _probe_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
-    """Eager attention (GQA-aware, additive mask, optional softcap) that records what it saw."""
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., : k.shape[-2]]
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    if _ACTIVE:
-        rec = _ACTIVE[-1]
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    """Eager attention that records, per layer, the queries and probabilities it saw."""
+    out, probs = eager_attention(module, query, key, value, attention_mask, **kwargs)
+    rec = _ACTIVE.get()
+    if rec is not None:
         rec.queries[module.layer_idx] = query.detach()
         rec.probs[module.layer_idx] = probs.detach()
-    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
+    return out, probs
 
 
 AttentionInterface.register(NAME, _probe_attention)
@@ -53,12 +48,12 @@ AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 @contextlib.contextmanager
 def probing(model):
     """Within the block, forward passes record queries and attention probabilities per layer."""
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model.config)
     rec = Recording()
     model.set_attn_implementation(NAME)
-    _ACTIVE.append(rec)
+    token = _ACTIVE.set(rec)
     try:
         yield rec
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.reset(token)
         model.set_attn_implementation(previous)

@@ -52,7 +52,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
     """Greedy `model.generate` over a `CompressedCache`; `prompt_ids: [1, tokens]`."""
     spec = parse_method(method) if isinstance(method, str) else method
     cache = CompressedCache(model.config, spec)
-    from kvstrata.read import reading
+    from kvstrata.hf.reading import reading
 
     with torch.inference_mode(), reading(model, cache, spec):
         out = model.generate(

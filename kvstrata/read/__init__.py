@@ -1,17 +1,9 @@
-"""Read stratum: what one decode step reads (dense, or top-k sparse with a layer schedule)."""
+"""Read stratum: what one decode step reads (dense, or top-k sparse with a layer schedule), and the
+decode-attention op that reads it straight from encoded KV."""
 
 from __future__ import annotations
 
-import contextlib
+from kvstrata.read.decode import EncodedView, decode_attention
+from kvstrata.read.sparse import ReadState, TopK
 
-from kvstrata.read.sparse import ReadState, TopK, sparse_reading
-
-
-def reading(model, cache, spec):
-    """Context in which decode steps read as `spec` says: sparse for a `topk` component, else dense
-    (yields None)."""
-    cfg = spec.full.read_config()
-    return sparse_reading(model, cache, cfg) if cfg else contextlib.nullcontext()
-
-
-__all__ = ["ReadState", "TopK", "reading", "sparse_reading"]
+__all__ = ["EncodedView", "ReadState", "TopK", "decode_attention"]

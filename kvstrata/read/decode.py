@@ -51,6 +51,21 @@ class EncodedView:
         return ks, vs
 
 
+    def key_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Visible key positions [start, stop) decoded, `[b, h, stop - start, d]`; only the runs
+        that hold them are decoded."""
+        out, offset = [], 0
+        for k, _, skip in self.runs:
+            n = (k.shape[-1] if self.key_channel else k.shape[-2]) - skip
+            lo, hi = max(start, offset), min(stop, offset + n)
+            if lo < hi:
+                kd = self.codec.decode(k).to(dtype)
+                kd = kd.transpose(-1, -2) if self.key_channel else kd
+                out.append(kd[..., skip + lo - offset : skip + hi - offset, :])
+            offset += n
+        return torch.cat(out, -2)
+
+
 def _describe(q: QTensor, codec, channel: bool, skip: int, d: int):
     kind, block = _KINDS[codec.name]
     if block is None:

@@ -7,20 +7,18 @@ top-k cached positions its schedule mode gives it; nothing else is read:
   R (Reindex) -- re-scores the source Full layer's candidates with its own query, takes its top-k;
   U (Reuse)   -- takes the source Full layer's top-k as is.
 `schedule` repeats over the full-attention layers, e.g. `F1U3` = one Full then three Reuse.
-Prefill (more than one query) is dense and unchanged. Runs through transformers' public
-`AttentionInterface`; bytes read are counted per step: index keys scanned plus entries gathered.
+Prefill (more than one query) is dense and unchanged. This module decides what is read
+(`select`) and counts the bytes (index keys scanned plus entries gathered); `kvstrata.hf.reading`
+hooks it into transformers' attention and reads the picked entries straight from the codes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from kvstrata.read.indexers import INDEXERS, held, hierarchical, index_row_bytes, index_rows, key_basis, rows_scale, score
 
@@ -95,19 +93,6 @@ class ReadState:
         return self.bytes_read / n, self.dense_bytes / n
 
 
-_ACTIVE: list[ReadState] = []
-
-
-def _attend(q, k, v, scaling, mask=None):
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
-    if mask is not None:
-        scores = scores + mask
-    probs = torch.softmax(scores.float(), -1).to(q.dtype)
-    return torch.matmul(probs, v).transpose(1, 2).contiguous(), probs
-
-
 def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> torch.Tensor:
     """`fn` over every row of `src`. `fn` acts row by row, so its rows below `stable` are kept in
     `kept[layer]` and reused while `tag` holds (None: keep nothing); later rows are recomputed."""
@@ -126,7 +111,7 @@ def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand
     they are computed once (and, for lowrank, rounded to NVFP4 once while the tensor scale holds)."""
     cfg = state.cfg
     if cfg.indexer == "lowrank" and layer not in state.bases:
-        state.bases[layer] = key_basis(k, cfg.rank)  # fitted once, from the whole cache at the first sparse step
+        state.bases[layer] = key_basis(k[..., :, :], cfg.rank)  # fitted once, from the whole cache at the first sparse step
     basis = state.bases.get(layer)
     generation, stable = getattr(state.layers[layer], "read_prefix", (None, 0))
     if cfg.indexer == "exact":  # the keys themselves: nothing to keep
@@ -176,34 +161,26 @@ def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> to
     return idx
 
 
-def _sparse_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    state = _ACTIVE[-1] if _ACTIVE else None
-    layer = module.layer_idx
-    if state is None or query.shape[2] != 1 or layer not in state.modes:
-        mask = attention_mask[..., : key.shape[-2]] if attention_mask is not None else None
-        return _attend(query, key, value, scaling, mask)
-    idx = select(state, layer, query, key)
-    gather = idx[..., None].expand(-1, -1, -1, key.shape[-1])
-    return _attend(query, key.gather(2, gather), value.gather(2, gather), scaling)
+class LazyKeys:
+    """The keys a step can read, `[b, h, n, d]`: encoded runs then a full-precision tail, decoded
+    only where sliced (`keys[..., a:b, :]`). Selection touches encoded rows only when their index
+    rows are not kept yet, so a decode step does not decode the layer."""
 
+    def __init__(self, view, tail: torch.Tensor):
+        self.view, self.tail = view, tail
+        self.encoded = view.tokens
+        b, h, t, d = tail.shape
+        self.shape = torch.Size((b, h, self.encoded + t, d))
 
-AttentionInterface.register(NAME, _sparse_attention)
-AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    def __getitem__(self, item) -> torch.Tensor:
+        rows = item[-2] if isinstance(item, tuple) else slice(None)
+        start, stop, _ = rows.indices(self.shape[2])
+        parts = [self.tail[..., :0, :]]
+        if start < min(stop, self.encoded):
+            parts.append(self.view.key_rows(start, min(stop, self.encoded), self.tail.dtype))
+        if stop > max(start, self.encoded):
+            parts.append(self.tail[..., max(0, start - self.encoded) : stop - self.encoded, :])
+        return torch.cat(parts, -2)
 
-
-@contextlib.contextmanager
-def sparse_reading(model, cache, cfg: TopK):
-    """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
-    full = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
-    modes = dict(zip(full, cfg.modes(len(full))))
-    c = model.config
-    state = ReadState(cfg, modes, list(cache.layers), getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(NAME)
-    _ACTIVE.append(state)
-    try:
-        yield state
-    finally:
-        _ACTIVE.pop()
-        model.set_attn_implementation(previous)
+    def float(self) -> torch.Tensor:
+        return self[..., :, :].float()

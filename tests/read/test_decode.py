@@ -93,6 +93,7 @@ def test_model_logits_fused_equal_reference(spec, arch, tiny_llama, tiny_gemma, 
     got, cache = _decode_logits(model, spec, fused=True)
     assert len(calls) == 12 * len(cache.layers), "every decode step of every layer reads the encoded view"
     ref, ref_cache = _decode_logits(model, spec, fused=False)
+    assert len(calls) == 12 * len(cache.layers), "the reference path decodes and attends densely"
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert cache.nbytes() == ref_cache.nbytes() and cache.get_seq_length() == ref_cache.get_seq_length()
 
@@ -117,3 +118,30 @@ def test_a_padding_mask_falls_back_to_the_reference(tiny_llama):
                                       past_key_values=cache, pad_token_id=0)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("spec", ["nvfp4+topk:k=8,schedule=F1,indexer=lowrank,rank=16",
+                                  "int4:r=0+topk:k=8,schedule=F1R1,indexer=lightning",
+                                  "bf16+topk:k=8,schedule=F1U1,indexer=exact"])
+def test_sparse_reads_from_codes_equal_gathering_from_dense(spec, tiny_llama, monkeypatch):
+    from kvstrata.hf.cache import CompressedLayer
+    from kvstrata.hf.reading import reading
+
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
+    results = {}
+    for fused in (True, False):
+        cache = CompressedCache(tiny_llama.config, spec, fused=fused)
+        dense_calls = []
+        real_dense = CompressedLayer.dense
+        with reading(tiny_llama, cache, parse_method(spec)) as state:
+            out = [forward(tiny_llama, ids[:, :48], cache)]
+            monkeypatch.setattr(CompressedLayer, "dense", lambda self: dense_calls.append(1) or real_dense(self))
+            for i in range(48, 60):
+                out.append(forward(tiny_llama, ids[:, i : i + 1], cache))
+            monkeypatch.setattr(CompressedLayer, "dense", real_dense)
+        results[fused] = (torch.cat(out, 1), state.bytes_read, state.picked, len(dense_calls))
+    got, ref = results[True], results[False]
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-4)
+    assert got[1] == ref[1]
+    assert all(torch.equal(got[2][k], ref[2][k]) for k in ref[2])
+    assert got[3] == 0 and ref[3] > 0  # the fused path never builds a dense copy of a layer

@@ -8,7 +8,8 @@ from kvstrata.hf.cache import CompressedLayer
 from kvstrata.hf.run import forward, generate
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
-from kvstrata.read import TopK, reading
+from kvstrata.hf.reading import reading
+from kvstrata.read import TopK
 from kvstrata.read.indexers import exact, held, hierarchical, index_row_bytes, index_rows, key_basis, lightning, lowrank
 
 IDS = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))

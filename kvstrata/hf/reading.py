@@ -1,0 +1,68 @@
+"""Decode steps that read what the read stratum picks: `reading(model, cache, spec)`.
+
+For a `topk` recipe the model's attention becomes `kvstrata_sparse`: at a decode step each
+full-attention layer asks `kvstrata.read.sparse.select` for the positions to read (sinks, recent
+window, indexed top-k) and attends over only those, straight from the encoded entries when the
+cache offered its encoded view (no dense copy of the layer), else by gathering from the dense
+keys. Everything else (prefill, sliding layers) attends as `kvstrata` attention does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+
+from kvstrata.hf.attention import (
+    attend_view, attention_implementation, delegate, eager_attention, register_reader, take,
+)
+from kvstrata.read.decode import decode_attention
+from kvstrata.read.sparse import LazyKeys, ReadState, TopK, select
+
+NAME = "kvstrata_sparse"
+_STATE: ContextVar[ReadState | None] = ContextVar("kvstrata_read_state", default=None)
+
+
+def _sparse_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    state, layer = _STATE.get(), module.layer_idx
+    view = take(layer)
+    decoding = state is not None and query.shape[2] == 1 and layer in state.modes
+    if not decoding:
+        if view is not None:
+            return attend_view(module, query, view, key, value, attention_mask, scaling=scaling, **kwargs)
+        return delegate(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if view is not None:
+        idx = select(state, layer, query, LazyKeys(view, key))
+        out = decode_attention(query, view, key, value, scaling, kwargs.get("softcap"), idx=idx)
+        return out[:, None].to(query.dtype), None
+    idx = select(state, layer, query, key)
+    gather = idx[..., None].expand(-1, -1, -1, key.shape[-1])
+    return eager_attention(module, query, key.gather(2, gather), value.gather(2, gather), None, scaling=scaling,
+                           **kwargs)
+
+
+register_reader(NAME, _sparse_attention)
+
+
+@contextlib.contextmanager
+def sparse_reading(model, cache, cfg: TopK):
+    """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
+    full = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
+    modes = dict(zip(full, cfg.modes(len(full))))
+    c = model.config
+    state = ReadState(cfg, modes, list(cache.layers), getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    previous = attention_implementation(model.config)
+    model.set_attn_implementation(NAME)
+    token = _STATE.set(state)
+    try:
+        yield state
+    finally:
+        _STATE.reset(token)
+        model.set_attn_implementation(previous)
+
+
+def reading(model, cache, spec):
+    """Context in which decode steps read as `spec` says: sparse for a `topk` component, else dense
+    (yields None)."""
+    cfg = spec.full.read_config()
+    return sparse_reading(model, cache, cfg) if cfg else contextlib.nullcontext()
