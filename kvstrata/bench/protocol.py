@@ -19,6 +19,7 @@ from transformers import DynamicCache
 
 from kvstrata.bench.tasks import Question
 from kvstrata.hf import CompressedCache
+from kvstrata.hf.attention import stock_attention
 from kvstrata.hf.probe import probing
 from kvstrata.hf.run import forward
 from kvstrata.keep import window_scores
@@ -90,6 +91,31 @@ def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) ->
         # what the layers that stay dense (sliding windows) hold
         res["bytes_read_per_step"] = _sparse_bytes(sparse, cache, res["dense_bytes_read_per_step"])
     return res
+
+
+#: the stock reference row: transformers' DynamicCache, the model's own attention, no kvstrata code
+DYNAMIC = "dynamic"
+
+
+def dynamic_bytes(cache: DynamicCache) -> int:
+    """Bytes a DynamicCache holds (K and V of every layer, in the model's dtype)."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def ask_dynamic(model, tokenizer, pre: Prefill, question: Question) -> dict:
+    """Answer `question` from a copy of the prefilled DynamicCache, attending as the model does."""
+    t0 = time.perf_counter()
+    cache = copy.deepcopy(pre.dense)
+    build_s, held = time.perf_counter() - t0, dynamic_bytes(pre.dense)
+    with stock_attention(model.config):
+        res = greedy(model, tokenizer, cache, question, lambda: dynamic_bytes(cache))
+    return with_costs(res, held, build_s)
+
+
+def fidelity_dynamic(model, pre: Prefill, cont_ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    with stock_attention(model.config):
+        cache = copy.deepcopy(pre.dense)
+        return continuation(model, cache, cont_ids, ref, dynamic_bytes(pre.dense), None)
 
 
 def with_costs(res: dict, kv_bytes: float, compress_s: float | None, **extra) -> dict:

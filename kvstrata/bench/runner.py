@@ -21,11 +21,11 @@ from kvstrata.methods import parse_method
 
 # Eviction budgets match the quantizers' bytes per token: fp8 ~0.53, nvfp4/mxfp4 ~0.28, int2 ~0.19 of bf16.
 DEFAULT_METHODS = (
-    "bf16", "fp8", "int4:r=32", "int2:r=32", "mxfp4", "nvfp4",
+    "dynamic", "bf16", "fp8", "int4:r=32", "int2:r=32", "mxfp4", "nvfp4",
     "streaming:keep=0.53", "streaming:keep=0.28", "snapkv:keep=0.53", "snapkv:keep=0.28", "snapkv:keep=0.19",
 )
 QUICK = dict(models=("smollm2-135m",), lengths=(2048,), n=2,
-             methods=("bf16", "fp8", "int2:r=32", "mxfp4", "nvfp4", "streaming:keep=0.28", "snapkv:keep=0.28"))
+             methods=("dynamic", "bf16", "fp8", "int2:r=32", "mxfp4", "nvfp4", "streaming:keep=0.28", "snapkv:keep=0.28"))
 
 
 @dataclass
@@ -51,6 +51,8 @@ def family(spec: str) -> str:
     """Method family for colours and grouping: reference, quantization, eviction, eviction+quant."""
     if is_peer(spec):
         return "peer"
+    if spec == protocol.DYNAMIC:
+        return "reference"
     m = parse_method(spec)
     if m.full.read is not None:
         return "sparse-read"
@@ -83,7 +85,7 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r} (known: {', '.join(TASKS)})")
     peers = {p: parse_peer(p) for p in cfg.peers}
-    specs = {m: parse_method(m) for m in cfg.methods}
+    specs = {m: parse_method(m) for m in cfg.methods if m != protocol.DYNAMIC}
     in_process = [*cfg.methods, *(p for p in cfg.peers if peers[p].project == "qcache")]
     workers = [p for p in cfg.peers if peers[p].project == "kvpress"]
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -133,11 +135,13 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
         try:
             if task in FIDELITY:
                 res = (qcache.fidelity(model, pre, peer, cont, ref) if peer else
+                       protocol.fidelity_dynamic(model, pre, cont, ref) if method == protocol.DYNAMIC else
                        protocol.fidelity(model, pre, specs[method], cont, ref))
                 row.update(res, score=res["top1"], failure=None)
             else:
-                answers = [qcache.ask(model, tok, pre, peer, q) if peer else protocol.ask(model, tok, pre, specs[method], q)
-                           for q in inst.questions]
+                answers = [qcache.ask(model, tok, pre, peer, q) if peer else
+                           protocol.ask_dynamic(model, tok, pre, q) if method == protocol.DYNAMIC else
+                           protocol.ask(model, tok, pre, specs[method], q) for q in inst.questions]
                 answered(row, inst, answers)
         except Exception as exc:
             if peer is None:

@@ -117,7 +117,8 @@ def cmd_bench(args) -> int:
     else:
         methods = _split_methods(args.methods) if args.methods else q.get("methods", DEFAULT_METHODS)
     for m in methods:
-        parse_method(m)  # fail before any model loads
+        if m != "dynamic":
+            parse_method(m)  # fail before any model loads
     peers = () if args.peers is None else DEFAULT_PEERS if args.peers == "default" else _csv(args.peers)
     for p in peers:
         parse_peer(p)
@@ -166,7 +167,7 @@ def _split_methods(text: str) -> list[str]:
     out: list[str] = []
     for piece in text.split(","):
         name = piece.split(":")[0].split("+")[0].split(";")[0].strip().lower()
-        if out and name not in METHODS:
+        if out and name not in METHODS and name != "dynamic":
             out[-1] += "," + piece
         else:
             out.append(piece.strip())

@@ -11,6 +11,7 @@ The offer lives in a `ContextVar`, so threads (a server) never see each other's.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from contextvars import ContextVar
 
@@ -50,6 +51,21 @@ def use_fused(config) -> None:
     key = id(config)
     _BASE[key] = (weakref.ref(config, lambda _: _BASE.pop(key, None)), current if current in ("sdpa", "eager") else "sdpa")
     set_attention_implementation(config, NAME)
+
+
+@contextlib.contextmanager
+def stock_attention(config):
+    """Within the block the model attends with the implementation kvstrata replaced (reference
+    rows and peers run with no kvstrata code on the attention path)."""
+    current = attention_implementation(config)
+    if current not in READERS:
+        yield
+        return
+    set_attention_implementation(config, base_implementation(config))
+    try:
+        yield
+    finally:
+        set_attention_implementation(config, current)
 
 
 def reads_encoded(config) -> bool:

@@ -8,7 +8,7 @@ from kvstrata.bench.runner import BenchConfig, family, run
 from kvstrata.bench.report import write_report
 from kvstrata.models.tiny import byte_tokenizer
 
-METHODS = ("bf16", "nvfp4", "int2:r=8,group=8", "streaming:keep=0.5", "snapkv:keep=0.3+fp8")
+METHODS = ("dynamic", "bf16", "nvfp4", "int2:r=8,group=8", "streaming:keep=0.5", "snapkv:keep=0.3+fp8")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,11 @@ def test_one_row_per_cell_and_method(bench_dir):
             assert r["failure"] in (None, "retrieval", "reasoning")
     bf16 = [r for r in rs if r["method"] == "bf16" and r["task"] == "fidelity"]
     assert all(r["kl"] < 1e-3 for r in bf16)
+    # the stock row: transformers' DynamicCache at the model's dtype (float32 here: 2x bf16's bytes)
+    dyn = [r for r in rs if r["method"] == "dynamic"]
+    assert all(r["compression"] == pytest.approx(0.5) for r in dyn)
+    assert all(r["kl"] == 0 and r["top1"] == 1 for r in dyn if r["task"] == "fidelity")
+    assert all(r["decode_s_per_token"] > 0 for r in dyn if r["task"] == "single")
     evict = [r for r in rs if r["method"] == "streaming:keep=0.5" and r["task"] == "single"]
     ref = [r for r in rs if r["method"] == "bf16" and r["task"] == "single"]
     assert evict[0]["kv_bytes"] < ref[0]["kv_bytes"]
@@ -53,13 +58,14 @@ def test_report_outputs(bench_dir):
     out, _ = bench_dir
     md = write_report(out).read_text()
     assert "| `nvfp4` |" in md and "tiny-gemma" in md
+    assert "## Decode speed" in md and "| `dynamic` |" in md
     assert (out / "plot_tiny-gemma_448.png").stat().st_size > 1000
     html = (out / "report.html").read_text()
     assert html.startswith("<!doctype html>") and "data:image/png;base64," in html
 
 
 def test_families():
-    assert family("bf16") == "reference"
+    assert family("bf16") == "reference" and family("dynamic") == "reference"
     assert family("int2") == "quantization"
     assert family("snapkv:keep=0.3") == "eviction"
     assert family("streaming:keep=0.3+nvfp4") == "eviction+quant"

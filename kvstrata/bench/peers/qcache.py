@@ -14,6 +14,7 @@ import torch
 from kvstrata.bench import protocol
 from kvstrata.bench.peers import PeerSpec
 from kvstrata.bench.peers.held import held_bytes
+from kvstrata.hf.attention import stock_attention
 
 
 def describe(peer: PeerSpec) -> str:
@@ -38,14 +39,16 @@ def build(model, pre: protocol.Prefill, peer: PeerSpec):
 
 def ask(model, tokenizer, pre: protocol.Prefill, peer: PeerSpec, question) -> dict:
     cache, compress_s, held = _timed_build(model, pre, peer)
-    res = protocol.greedy(model, tokenizer, cache, question, lambda: held_bytes(cache)["bytes"])
+    with stock_attention(model.config):  # the peer as users run it: no kvstrata code on the path
+        res = protocol.greedy(model, tokenizer, cache, question, lambda: held_bytes(cache)["bytes"])
     return protocol.with_costs(res, held["bytes"], compress_s, kv_bytes_in_memory=held["in_memory"])
 
 
 def fidelity(model, pre: protocol.Prefill, peer: PeerSpec, cont_ids: torch.Tensor, ref: torch.Tensor) -> dict:
     cache, compress_s, held = _timed_build(model, pre, peer)
-    return protocol.continuation(model, cache, cont_ids, ref, held["bytes"], compress_s,
-                                 kv_bytes_in_memory=held["in_memory"])
+    with stock_attention(model.config):
+        return protocol.continuation(model, cache, cont_ids, ref, held["bytes"], compress_s,
+                                     kv_bytes_in_memory=held["in_memory"])
 
 
 def _timed_build(model, pre: protocol.Prefill, peer: PeerSpec):

@@ -1,0 +1,52 @@
+"""Report section: decode time per token as a multiple of the stock `dynamic` row's and of `bf16`'s,
+each on exactly the instances both ran (paired), from the benchmark's own rows."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import mean
+
+from kvstrata.bench.tasks import RETRIEVAL
+
+REFS = ("dynamic", "bf16")
+
+
+def ratios(rows: list[dict]) -> dict:
+    """{(model, length): {method: {"n": cells, "s": mean s/token, ref: ratio or None}}} over retrieval rows."""
+    cells = defaultdict(dict)  # (model, length) -> {(task, index): {method: s/token}}
+    for r in rows:
+        if r.get("error") or r["task"] not in RETRIEVAL or not r.get("decode_s_per_token"):
+            continue
+        cells[(r["model"], r["length"])].setdefault((r["task"], r["index"]), {})[r["method"]] = r["decode_s_per_token"]
+    out = {}
+    for key, by_cell in sorted(cells.items()):
+        methods = list(dict.fromkeys(m for c in by_cell.values() for m in c))
+        table = {}
+        for m in methods:
+            mine = [c for c in by_cell.values() if m in c]
+            entry = {"n": len(mine), "s": mean(c[m] for c in mine)}
+            for ref in REFS:
+                both = [c for c in mine if ref in c]
+                entry[ref] = mean(c[m] for c in both) / mean(c[ref] for c in both) if both else None
+            table[m] = entry
+        out[key] = table
+    return out
+
+
+def report_section(rows: list[dict]) -> str:
+    table = ratios(rows)
+    if not any("dynamic" in t for t in table.values()):
+        return ""
+    lines = ["## Decode speed\n",
+             "Decode seconds per token on the retrieval tasks, as a multiple of the stock `dynamic` row "
+             "(transformers' DynamicCache, the model's own attention, no kvstrata code) and of our `bf16`, each "
+             "on the cells both ran in the same run. `n` = cells (task instances).\n"]
+    for (model, length), t in table.items():
+        if "dynamic" not in t:
+            continue
+        lines += [f"### {model} @ {length}\n", "| method | n | s/token | × dynamic | × bf16 |", "|---|---|---|---|---|"]
+        for m, e in t.items():
+            f = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+            lines.append(f"| `{m}` | {e['n']} | {e['s']:.3f} | {f(e['dynamic'])} | {f(e['bf16'])} |")
+        lines.append("")
+    return "\n".join(lines)
