@@ -231,12 +231,13 @@ def write_report(out: Path, skip_bad: bool = False) -> Path:
     summary = summarise(rows)
     runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
     meta = runs[-1]
-    from kvstrata.bench import depth_ablation, sparse_frontier, speed, v41_prefill
+    from kvstrata.bench import depth_ablation, kernels, memory, sparse_frontier, speed, v41_prefill
 
     peers = compare.section(summary, rows)
     note = _protocol_note(meta) + (f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n"
                                    if skipped else "")
-    md = ["# kvstrata benchmark report\n", note, markdown(summary), speed.report_section(rows), peers,
+    md = ["# kvstrata benchmark report\n", note, markdown(summary), speed.report_section(rows),
+          kernels.report_section(out), memory.report_section(out), peers,
           sparse_frontier.report_section(rows, out),
           depth_ablation.report_section(out, skip_bad), v41_prefill.report_section(out)]
     sections = "\n".join(md[2:])

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", type=nonempty)
     src.add_argument("--prompt-file", help="a UTF-8 text file (at most 16 MiB)")
     g.add_argument("--max-new-tokens", type=int_in(1, BIG), default=32, help="with the prompt, within the model's context")
+    g.add_argument("--prefill-chunk", type=int_in(0, BIG), default=512,
+                   help="prompt tokens per prefill pass (bounds the prefill's transient memory; 0 = one pass)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=c.cmd_generate)
 
@@ -142,6 +144,21 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=c.cmd_train_ref)
 
     serve.add_parsers(sub)  # serve, serve-bench
+    kb = sub.add_parser("kernels-bench", help="decode attention from encoded KV vs SDPA, 2k-64k tokens, + copy bandwidth")
+    kb.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536", help="comma-separated cached tokens")
+    kb.add_argument("--shapes", default="smollm2-135m,gemma3-270m", help="whose head shapes: smollm2-135m, gemma3-270m")
+    kb.add_argument("--repeats", type=int_in(1, 1000), default=9)
+    kb.add_argument("--out", default="docs/results/kernels")
+    kb.set_defaults(func=c.cmd_kernels_bench)
+
+    mb = sub.add_parser("memory-bench", help="peak RSS of `generate` on a long prompt vs the KV it holds, per codec")
+    mb.add_argument("--model", default="smollm2-135m")
+    mb.add_argument("--tokens", type=int_in(16, BIG), default=8192)
+    mb.add_argument("--methods", default="bf16,fp8,int4:r=32,int2:r=32,mxfp4,nvfp4", help="comma-separated specs")
+    mb.add_argument("--chunks", default="512,0", help="comma-separated --prefill-chunk values (0 = one pass)")
+    mb.add_argument("--out", default="docs/results/kernels")
+    mb.set_defaults(func=c.cmd_memory_bench)
+
     sub.add_parser("methods", help="list registered methods").set_defaults(func=c.cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=c.cmd_models)
     return p

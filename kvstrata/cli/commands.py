@@ -37,6 +37,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from kvstrata.bench.protocol import peak_rss_mb
     from kvstrata.hf.run import generate
     from kvstrata.methods import parse_method
     from kvstrata.models import load
@@ -48,9 +49,10 @@ def cmd_generate(args) -> int:
     model, tok = load(args.model)
     ids = tok(prompt, return_tensors="pt").input_ids
     check_fits(model, ids.shape[1], args.max_new_tokens)
-    g = generate(model, tok, ids, spec, args.max_new_tokens)
+    g = generate(model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
     if args.json:
         row = {
+            "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk,
             "text": g.text, "method": str(spec), "model": args.model, "context_tokens": g.context_tokens,
             "new_tokens": len(g.new_tokens), "kv_bytes": g.kv_bytes, "kv_bytes_per_token": g.kv_bytes_per_token,
             "kv_bytes_per_token_bf16": g.kv_bytes_per_token_bf16,
@@ -356,4 +358,35 @@ def cmd_train_ref(args) -> int:
         extra = f", from the FP4 cache after half-depth prefill {m['recall_cached_fp4']:.3f}" if "recall_cached_fp4" in m else ""
         print(f"{name}: recall {m['recall']:.3f}{extra} (loss {m['final_loss']:.3f}, {m['seconds']:.0f} s, {m['parameters']:,} params)")
     print(f"checkpoints and train_ref.json in {args.out}")
+    return 0
+
+
+def cmd_kernels_bench(args) -> int:
+    from kvstrata.bench import kernels
+
+    lengths = [_length(x, "--lengths") for x in _csv(args.lengths)]
+    shapes = _csv(args.shapes)
+    for s in shapes:
+        if s not in kernels.SHAPES:
+            raise ValueError(f"--shapes: unknown shape {s!r} (known: {', '.join(kernels.SHAPES)})")
+    path = kernels.run(Path(args.out), tuple(lengths), tuple(shapes), args.repeats)
+    print(f"results: {path}")
+    return 0
+
+
+def cmd_memory_bench(args) -> int:
+    from kvstrata.bench import memory
+    from kvstrata.models.loader import check as check_model
+
+    methods = _split_methods(args.methods)
+    for m in methods:
+        parse_method_early(m)
+    chunks = []
+    for x in _csv(args.chunks):
+        if not x.isdigit():
+            raise ValueError(f"--chunks: {x!r} is not a whole number of tokens (0 = one pass)")
+        chunks.append(int(x))
+    check_model(args.model)
+    _check_context(args.model, args.tokens + 8, "--tokens")
+    print(f"results: {memory.run(args.model, args.tokens, methods, chunks, Path(args.out))}")
     return 0

@@ -48,13 +48,32 @@ class Generation:
     kv_bytes_per_token_bf16: float
 
 
-def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpec, max_new_tokens: int = 32) -> Generation:
-    """Greedy `model.generate` over a `CompressedCache`; `prompt_ids: [1, tokens]`."""
+#: prompt tokens prefilled per forward pass: bounds the prefill's transient full-precision K/V and
+#: attention workspace, which otherwise outweigh a compressed cache at long contexts
+PREFILL_CHUNK = 512
+
+
+def prefill_chunked(model, cache, ids: torch.Tensor, chunk: int = PREFILL_CHUNK) -> None:
+    """Feed `ids: [1, n]` into `cache` `chunk` tokens at a time (logits of the last position only)."""
+    if chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
+    for start in range(0, ids.shape[1], chunk):
+        forward(model, ids[:, start : start + chunk], cache)
+
+
+def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpec, max_new_tokens: int = 32,
+             prefill_chunk: int | None = PREFILL_CHUNK) -> Generation:
+    """Greedy `model.generate` over a `CompressedCache`; `prompt_ids: [1, tokens]`. All but the last
+    prompt token are prefilled `prefill_chunk` at a time (None: in one pass). Methods with a keep
+    policy see the whole prompt at once (the policy acts once, after the prefill)."""
     spec = parse_method(method) if isinstance(method, str) else method
     cache = CompressedCache(model.config, spec)
     from kvstrata.hf.reading import reading
 
+    chunked = prefill_chunk is not None and spec.full.keep is None and prompt_ids.shape[1] > 1
     with torch.inference_mode(), reading(model, cache, spec):
+        if chunked:
+            prefill_chunked(model, cache, prompt_ids[:, :-1], prefill_chunk)
         out = model.generate(
             input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,

@@ -6,7 +6,8 @@ and a V `QTensor` of the same tokens, the first `skip` hidden) plus the full-pre
 built on first use) codes are decoded a tile of tokens at a time inside an online softmax, and the
 query heads of a KV group share one pass over the codes; without it (build failed, or
 `KVSTRATA_KERNELS=reference`) the runs are decoded whole and attended (the reference path, also
-what tests compare the kernel with). Sparse reads pass the positions to read (`idx`).
+what tests compare the kernels with). On a CUDA device the Triton kernels
+(`kernels/triton_decode.py`) do the same. Sparse reads pass the positions to read (`idx`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,20 @@ def kernel_args(view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor):
     return out
 
 
+def triton_runs(view: EncodedView) -> list[tuple]:
+    """`view`'s runs as `kernels.triton_decode.attend` takes them."""
+    out = []
+    for k, v, skip in view.runs:
+        kind, block = _KINDS[view.codec.name]
+        d = v.shape[-1]
+        if block is None:
+            block = getattr(view.codec, "block", 0) or getattr(view.codec, "group", 0) or d
+        length = k.shape[-1] if view.key_channel else k.shape[-2]
+        ts = [float(q.parts["tensor_scale"]) if "tensor_scale" in q.parts else 1.0 for q in (k, v)]
+        out.append((kind, view.key_channel, k.parts, v.parts, block or d, block or d, ts[0], ts[1], length, skip))
+    return out
+
+
 def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
                         softcap: float | None = None) -> torch.Tensor:
     """`query: [b, hq, 1, d]` over `keys, values: [b, hk, n, d]` (GQA) -> `[b, hq, d]` float32."""
@@ -120,6 +135,10 @@ def decode_attention(query: torch.Tensor, view: EncodedView, tail_k: torch.Tenso
                      fused: bool = True) -> torch.Tensor:
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
     `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those. -> `[b, hq, d]`."""
+    if fused and query.device.type == "cuda":
+        from kvstrata.read.kernels import triton_decode  # optional dependency: GPUs only
+
+        return triton_decode.attend(query, triton_runs(view), tail_k, tail_v, scaling, softcap, idx)
     module = cpu.load() if fused else None
     if module is not None and query.device.type == "cpu":
         q = query[:, :, 0].float().contiguous()
