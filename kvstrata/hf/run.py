@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import inspect
 from dataclasses import dataclass
 
@@ -53,12 +55,26 @@ class Generation:
 PREFILL_CHUNK = 512
 
 
+def _malloc_trim():
+    """glibc's `malloc_trim`, or a no-op elsewhere."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda pad: 0
+
+
+_TRIM = _malloc_trim()
+
+
 def prefill_chunked(model, cache, ids: torch.Tensor, chunk: int = PREFILL_CHUNK) -> None:
-    """Feed `ids: [1, n]` into `cache` `chunk` tokens at a time (logits of the last position only)."""
+    """Feed `ids: [1, n]` into `cache` `chunk` tokens at a time (logits of the last position only).
+    Between chunks, freed heap pages go back to the OS: each chunk's transient full-precision
+    tensors would otherwise stay resident (allocator fragmentation) and grow with the context."""
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
     for start in range(0, ids.shape[1], chunk):
         forward(model, ids[:, start : start + chunk], cache)
+        _TRIM(0)
 
 
 def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpec, max_new_tokens: int = 32,
