@@ -6,6 +6,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton's kernels run in its CPU interpreter here; the flag must be set before anything imports
+# triton (optimum-quanto and hqq do, on import)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(os.cpu_count() or 1)
 
 

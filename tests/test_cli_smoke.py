@@ -235,3 +235,24 @@ def test_store_bench_real(capsys, tmp_path, tokens):
     cached = (tokens - 1) // 256 * 256  # whole blocks stored, one token kept back for the first logits
     # a replay runs the last w windows (512 each) of the cached prefix, then the rest of the prompt
     assert [r["computed_tokens"] for r in result["replay"]] == [tokens - cached + 512 * w for w in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("lengths", ["1000,4096", "2048"])
+def test_kernels_bench(capsys, tmp_path, lengths):
+    """`kvstrata kernels-bench` (README: default lengths 2k..64k; here short ones) writes rows and a plot."""
+    out = tmp_path / "kernels"
+    run(capsys, f"kernels-bench --lengths {lengths} --repeats 1 --out {out}")
+    rs = rows(out / "kernels.jsonl")
+    assert {r["tokens"] for r in rs} == {int(x) for x in lengths.split(",")}
+    codecs = {r["codec"] for r in rs}
+    assert {"sdpa-bf16", "sdpa-f32", "bf16", "fp8", "nvfp4", "mxfp4", "int4", "int2"} <= codecs
+    assert all(r["seconds"] > 0 for r in rs) and (out / "kernels.png").stat().st_size > 1000
+
+
+def test_memory_bench(capsys, tmp_path):
+    """`kvstrata memory-bench` on the tiny Llama at a length that is no multiple of the chunk."""
+    out = tmp_path / "mem"
+    run(capsys, f"memory-bench --model tiny-llama --tokens 1000 --methods bf16,nvfp4 --chunks 256,0 --out {out}")
+    rs = rows(out / "memory.jsonl")
+    assert [(r["method"], r["prefill_chunk"]) for r in rs] == [("bf16", 256), ("bf16", 0), ("nvfp4", 256), ("nvfp4", 0)]
+    assert all(r["context_tokens"] >= 1000 and r["kv_mb"] > 0 and r["peak_rss_mb"] > 0 for r in rs)

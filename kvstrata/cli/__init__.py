@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     mb.add_argument("--out", default="docs/results/kernels")
     mb.set_defaults(func=c.cmd_memory_bench)
 
-    sub.add_parser("methods", help="list registered methods").set_defaults(func=c.cmd_methods)
+    me = sub.add_parser("methods", help="list registered methods")
+    me.add_argument("--markdown", action="store_true", help="print docs/methods.md (generated from the registry)")
+    me.set_defaults(func=c.cmd_methods)
     sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=c.cmd_models)
     return p
 

@@ -10,6 +10,12 @@ from pathlib import Path
 def cmd_methods(args) -> int:
     import dataclasses
 
+    if args.markdown:
+        from kvstrata.cli.methods_doc import markdown
+
+        print(markdown(), end="")
+        return 0
+
     from kvstrata.codecs import CODECS
     from kvstrata.keep import KEEP_POLICIES
     from kvstrata.methods import DEPTH_METHODS, METHODS, READ_METHODS

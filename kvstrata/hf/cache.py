@@ -149,7 +149,10 @@ class CompressedLayer(CacheLayerMixin):
         return held_bytes(tensors)
 
     def shrink(self) -> None:
-        """Free the rows reserved for appends (what `nbytes` counts is then exactly the tokens held)."""
+        """Free the rows reserved for appends and the hidden rows a sliding window dropped (what
+        `nbytes` counts is then exactly the tokens held, up to whole key groups)."""
+        if self.segments and self.segments[0].skip:
+            self.segments[0] = drop_front(self.recipe, self.segments[0], 0)
         for seg in self.segments:
             shrink(seg)
 

@@ -48,6 +48,7 @@ class Generation:
     kv_bytes: int
     kv_bytes_per_token: float
     kv_bytes_per_token_bf16: float
+    cache: CompressedCache | None = None  # what the generation left: encoded K/V, `nbytes()`
 
 
 #: prompt tokens prefilled per forward pass: bounds the prefill's transient full-precision K/V and
@@ -106,4 +107,5 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
         kv_bytes=total,
         kv_bytes_per_token=total / seen if seen else 0.0,
         kv_bytes_per_token_bf16=bf16_bytes_per_token(model.config, seen),
+        cache=cache,
     )

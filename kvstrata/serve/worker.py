@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.hf.run import forward
-from kvstrata.read import reading
+from kvstrata.hf.reading import reading
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
 from kvstrata.serve.text import TextStream

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvstrata.bench.passkey import passkey_prompt
-from kvstrata.hf.run import generate
+from kvstrata.hf.run import PREFILL_CHUNK, generate
 from kvstrata.models import KNOWN_MODELS, load
 
 pytestmark = pytest.mark.integration
@@ -40,8 +40,12 @@ def test_passkey_4k_through_fp4_cache(real, method):
     seen = ids.shape[1] + 6 - 1  # the last generated token is never fed back
     rows = 2 * text.num_key_value_heads * held_tokens(model, seen)
     expected = rows * ROW[method](text.head_dim)
-    if method == "nvfp4":  # one fp32 tensor scale per encoded K/V chunk: prefill + 5 decode steps
-        expected += 2 * 4 * text.num_hidden_layers * 6
+    if method == "nvfp4":  # one fp32 tensor scale per encoded K/V segment: one per prefill chunk a layer
+        # still holds, and one for the segment the decode steps append to (its scale has room for them)
+        segments = [len(layer.segments) for layer in g.cache.layers]
+        full = -(-(ids.shape[1] - 1) // PREFILL_CHUNK) + 1
+        assert all(n == full for n, layer in zip(segments, g.cache.layers) if not layer.is_sliding)
+        expected += 2 * 4 * sum(segments)
     assert g.kv_bytes == expected
     if name == "smollm2-135m":
         assert g.kv_bytes_per_token_bf16 == 23040  # 30 layers x 2 x 3 heads x 64 x 2 B

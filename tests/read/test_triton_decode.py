@@ -1,16 +1,13 @@
-"""The Triton decode-attention kernels, run on the CPU by Triton's interpreter, equal decode-then-attend."""
+"""The Triton decode-attention kernels, run on the CPU by Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 when there is no GPU), equal decode-then-attend."""
 
-import os
+import pytest  
+import torch  
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on the CPU
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from kvstrata.hf.segments import encode_segment  # noqa: E402
-from kvstrata.methods import parse_method  # noqa: E402
-from kvstrata.read.decode import EncodedView, decode_attention, triton_runs  # noqa: E402
-from kvstrata.read.kernels import triton_decode  # noqa: E402
+from kvstrata.hf.segments import encode_segment  
+from kvstrata.methods import parse_method  
+from kvstrata.read.decode import EncodedView, decode_attention, triton_runs  
+from kvstrata.read.kernels import triton_decode  
 
 SPECS = ["bf16", "fp8", "fp8:block=32", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0", "int4:r=0,keys=token"]
 
