@@ -55,7 +55,15 @@ def cmd_generate(args) -> int:
     model, tok = load(args.model)
     ids = tok(prompt, return_tensors="pt").input_ids
     check_fits(model, ids.shape[1], args.max_new_tokens)
-    g = generate(model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        g = prof.runcall(generate, model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
+    else:
+        g = generate(model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
     if args.json:
         row = {
             "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk,

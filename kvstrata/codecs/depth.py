@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from kvstrata.codecs import QTensor, get_codec
-from kvstrata.codecs.depth_dct import DepthSplit, merge, split
+from kvstrata.codecs.depth_dct import DepthSplit, dct_matrix, merge, split
 from kvstrata.codecs.qtensor import held_bytes
 
 MODES = ("shared", "residual", "exact")
@@ -119,24 +119,56 @@ def probe_mode(k, v, queries, cfg: FreqDepth, codec: str) -> str:
 
 @dataclass
 class DepthBlock:
-    """A run of `tokens` tokens of a group, every KV head encoded in its mode."""
+    """A run of `tokens` tokens of a group, every KV head encoded in its mode. When every head is
+    exact the block holds, per layer, one K and one V `QTensor` of all heads (`layers`): exactly a
+    per-layer cache's encoding, which decode attention reads straight from the codes."""
 
     tokens: int
-    heads: list[tuple[Encoded, Encoded]]  # per KV head: (K, V)
+    heads: list[tuple[Encoded, Encoded]]  # per KV head: (K, V); empty when `layers` is set
+    layers: list[tuple[QTensor, QTensor]] | None = None
+
+    def tensors(self):
+        """Every tensor held."""
+        if self.layers is not None:
+            for qk, qv in self.layers:
+                yield from qk.parts.values()
+                yield from qv.parts.values()
+        for ek, ev in self.heads:
+            yield from ek.tensors()
+            yield from ev.tensors()
 
     def nbytes(self) -> int:
-        return held_bytes(t for ek, ev in self.heads for e in (ek, ev) for t in e.tensors())
+        return held_bytes(self.tensors())
 
     def layer(self, j: int, g: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `j`'s K and V: `[b, kv_heads, tokens, d]`."""
-        ks = [_decode(ek, g, dtype)[j] for ek, _ in self.heads]
-        vs = [_decode(ev, g, dtype)[j] for _, ev in self.heads]
+        """Layer `j`'s K and V: `[b, kv_heads, tokens, d]` (only layer j is reconstructed)."""
+        if self.layers is not None:
+            return tuple(q.dequantize(dtype) for q in self.layers[j])
+        ks = [_decode_layer(ek, j, g, dtype) for ek, _ in self.heads]
+        vs = [_decode_layer(ev, j, g, dtype) for _, ev in self.heads]
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
+
+def _decode_layer(e: Encoded, j: int, g: int, dtype) -> torch.Tensor:
+    """Layer `j` of one head's Encoded -> `[b, 1, T, d]`: its low band from the shared coefficients
+    plus its own residual rows, without reconstructing the other layers."""
+    if e.mode == "exact":
+        return e.parts[f"layer{j}"].dequantize(dtype)
+    coeffs = e.parts["coeffs"].dequantize(torch.float32)  # [f, b, 1, T, d]
+    basis = dct_matrix(g).to(torch.float32)[: coeffs.shape[0], j]  # column j of the inverse transform
+    x = torch.tensordot(basis, coeffs, dims=([0], [0]))
+    if e.mode == "residual":
+        idx, res = e.parts["idx"][j].long(), e.parts["residual"].dequantize(torch.float32)[j]
+        x = x.scatter_add(-2, idx[..., None].expand(-1, -1, -1, x.shape[-1]), res)
+    return (x * e.parts["scales"][j]).to(dtype)
 
 
 def encode_block(k: torch.Tensor, v: torch.Tensor, modes: list[str], cfg: FreqDepth, codec: str,
                  queries: torch.Tensor | None) -> DepthBlock:
     """`k, v: [g, b, h, T, d]`; `queries: [g, b, h, nq, d]` (per KV head) ranks residual tokens."""
+    if all(m == "exact" for m in modes):
+        c = get_codec(codec)
+        return DepthBlock(k.shape[-2], [], [(c.encode(k[j]), c.encode(v[j])) for j in range(k.shape[0])])
     heads = []
     for h, mode in enumerate(modes):
         q = queries[:, :, h : h + 1] if queries is not None else None

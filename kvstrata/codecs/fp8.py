@@ -29,8 +29,9 @@ class FP8:
     def encode(self, x: torch.Tensor) -> QTensor:
         check_finite(x, self.name)
         b = to_blocks(x, self.block or x.shape[-1])
-        amax = b.abs().amax(-1)
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        scale = b.abs().amax(-1) / E4M3_MAX
+        # an all-zero block, or one so small its scale underflows float32, encodes as zeros under scale 1
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = (b / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
         return QTensor(codec_spec(self), tuple(x.shape), x.dtype, {"codes": codes, "scales": scale})
 

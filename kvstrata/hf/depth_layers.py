@@ -16,6 +16,7 @@ from kvstrata.codecs.depth import group_queries
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf.cache import CompressedLayer
 from kvstrata.methods import StoreRecipe
+from kvstrata.read.decode import EncodedView
 
 
 class DepthGroup:
@@ -67,7 +68,15 @@ class DepthGroup:
 class DepthLayer(CompressedLayer):
     """Member `index` of a DepthGroup; its own storage is only its full-precision tail."""
 
-    reads_views = False  # decode attention decodes the group's blocks (no fused path yet)
+    @property
+    def reads_views(self) -> bool:
+        """Decode attention reads the codes when every block keeps every head exact (per-layer
+        QTensors); shared / residual heads are reconstructed and attended densely."""
+        return all(getattr(block, "layers", None) is not None for block in self.group.blocks)
+
+    def view(self) -> EncodedView:
+        runs = [(*block.layers[self.index], 0) for block in self.group.blocks]
+        return EncodedView(self.recipe.codec_obj, False, runs, self.generation)
 
     def __init__(self, recipe: StoreRecipe, index: int):
         super().__init__(recipe)

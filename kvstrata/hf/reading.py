@@ -15,6 +15,7 @@ from contextvars import ContextVar
 from kvstrata.hf.attention import (
     attend_view, attention_implementation, delegate, eager_attention, register_reader, take,
 )
+from kvstrata.methods import parse_method
 from kvstrata.read.decode import decode_attention
 from kvstrata.read.sparse import LazyKeys, ReadState, TopK, select
 
@@ -62,7 +63,8 @@ def sparse_reading(model, cache, cfg: TopK):
 
 
 def reading(model, cache, spec):
-    """Context in which decode steps read as `spec` says: sparse for a `topk` component, else dense
-    (yields None)."""
+    """Context in which decode steps read as `spec` (a spec string or a parsed MethodSpec) says:
+    sparse for a `topk` component, else dense (yields None)."""
+    spec = parse_method(spec) if isinstance(spec, str) else spec
     cfg = spec.full.read_config()
     return sparse_reading(model, cache, cfg) if cfg else contextlib.nullcontext()

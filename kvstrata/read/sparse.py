@@ -131,21 +131,24 @@ def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> to
     """Positions `[b, kv_heads, m]` (sorted) this layer reads; counts the bytes scanned and gathered."""
     cfg, (b, heads, n, _) = state.cfg, k.shape
     kb, vb, ib = state.rows(layer)  # one K row, one V row, one index-key row (per KV head)
-    fixed = torch.cat([torch.arange(min(cfg.sinks, n)), torch.arange(max(0, n - cfg.window), n)]).unique()
-    free = torch.ones(n, dtype=torch.bool)
-    free[fixed] = False
-    middle = int(free.sum())
+    sinks = min(cfg.sinks, n)
+    recent = max(sinks, n - cfg.window)
+    fixed = torch.cat([torch.arange(sinks), torch.arange(recent, n)])  # sinks + recent window, disjoint
+    middle = recent - sinks
     mode = state.modes[layer]
     if mode == "F":
         state.steps_seen += 1
         if cfg.k >= middle:  # everything fits: no index scan needed
-            top = free.nonzero()[:, 0].expand(b, heads, middle)
+            top = torch.arange(sinks, recent).expand(b, heads, middle)
             cand = top
         else:
-            scores = _scores(state, layer, q, k).masked_fill(~free, float("-inf"))
+            scores = _scores(state, layer, q, k)
+            scores[..., :sinks] = float("-inf")
+            scores[..., recent:] = float("-inf")
             state.bytes_read += n * heads * ib
             top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
-            cand = scores.topk(min(4 * cfg.k, middle), -1).indices
+            # Reindex layers re-score the Full layer's 4k candidates; without them nobody needs those
+            cand = scores.topk(min(4 * cfg.k, middle), -1).indices if "R" in state.modes.values() else None
         state.source = {"top": top, "cand": cand}
     elif mode == "R":
         cand = state.source["cand"]

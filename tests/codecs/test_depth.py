@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvstrata.codecs.depth import FreqDepth, encode_block, probe_mode
+from kvstrata.codecs.depth import FreqDepth, _decode, encode_block, probe_mode
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.run import forward, generate
@@ -34,7 +34,7 @@ def test_probe_picks_residual_when_a_few_tokens_differ():
 def test_block_bytes_are_what_is_held():
     k, v = torch.randn(4, 1, 2, 30, 16), torch.randn(4, 1, 2, 30, 16)
     block = encode_block(k, v, ["shared", "residual"], CFG, "nvfp4", None)
-    tensors = [t for ek, ev in block.heads for e in (ek, ev) for t in e.tensors()]
+    tensors = list(block.tensors())
     assert block.nbytes() == sum(t.numel() * t.element_size() for t in tensors) == held_bytes(tensors)
     exact = encode_block(k, v, ["exact", "exact"], CFG, "bf16", None)
     assert exact.nbytes() == 2 * 4 * 2 * 30 * 16 * 2  # K and V, 4 layers, 2 heads, bf16
@@ -61,8 +61,7 @@ def test_cache_groups_adjacent_layers_and_encodes_whole_blocks(deep_llama):
             assert layer.keys.shape[-2] < 16  # pending tokens never reach a whole block
             assert layer.stored_tokens() == i + 1
     total = cache.nbytes()["total"]
-    held = held_bytes([t for _, g in cache.depth_groups for b in g.blocks for ek, ev in b.heads
-                       for e in (ek, ev) for t in e.tensors()]
+    held = held_bytes([t for _, g in cache.depth_groups for b in g.blocks for t in b.tensors()]
                       + [t for layer in cache.layers for t in (layer.keys, layer.values)]
                       + [t for s in cache.layers[8].segments for t in s.parts()])
     assert total == held
@@ -141,3 +140,17 @@ def test_gemma_global_layers_group_across_the_sliding_layers_between_them():
     assert torch.isfinite(b).all() and a.shape == b.shape
     assert cache.head_modes() == {"shared": model.config.num_key_value_heads}
     assert cache.nbytes()["total"] < ref.nbytes()["total"]
+
+
+def test_one_layer_of_a_block_equals_the_whole_reconstruction():
+    """Reading layer j reconstructs only layer j, and equals layer j of the whole group."""
+    torch.manual_seed(3)
+    k, v = torch.randn(4, 1, 2, 30, 16), torch.randn(4, 1, 2, 30, 16)
+    cfg = FreqDepth(g=4, f=2, r=0.2, norm=True)
+    block = encode_block(k, v, ["shared", "residual"], cfg, "bf16", None)
+    for j in range(4):
+        ks = torch.cat([_decode(ek, 4, torch.float32)[j] for ek, _ in block.heads], 1)
+        vs = torch.cat([_decode(ev, 4, torch.float32)[j] for _, ev in block.heads], 1)
+        dk, dv = block.layer(j, 4, torch.float32)
+        torch.testing.assert_close(dk, ks, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dv, vs, rtol=1e-5, atol=1e-5)

@@ -62,3 +62,10 @@ def test_random_error_bounds(fmt):
 def test_bf16_dtype_is_restored():
     x = torch.randn(2, 8, dtype=torch.float16)
     assert quantize(x, "bf16").dequantize().dtype == torch.float16
+
+
+def test_fp8_block_whose_scale_underflows_encodes_as_zeros():
+    x = torch.tensor([[1.4e-45, 0.0, -1.4e-45, 0.0]])
+    q = quantize(x, "fp8")
+    assert torch.equal(q.dequantize(), torch.zeros_like(x)) and float(q.parts["scales"]) == 1.0
+    assert torch.equal(quantize(q.dequantize(), "fp8").parts["codes"], q.parts["codes"])

@@ -15,6 +15,9 @@ from kvstrata.read.kernels import cpu
 STORE = [n for n, e in METHODS.items() if e.stratum == "store"]
 SPECS = [f"{n}:r=0" if e.defaults.get("keys") == "channel" else n for n, e in METHODS.items() if e.stratum == "store"]
 SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "fp8:block=32", "nvfp4;sliding=fp8", "mxfp4:r=5"]
+# depth-shared layers whose heads are all exact read their codes too (tiny Gemma-3 has one global
+# layer, so no group forms there and its layers stay per-layer)
+MODEL_SPECS = SPECS + ["depth:g=2,mode=exact,block=8+nvfp4", "depth:g=4,mode=exact,block=16+int4:r=0"]
 # shapes: (batch, query heads, kv heads, head_dim) as SmolLM2 (GQA 3) and Gemma-3 (GQA 4, d = 256) have them
 SHAPES = [(1, 9, 3, 64), (2, 4, 1, 256), (1, 2, 2, 48)]
 
@@ -78,7 +81,7 @@ def _decode_logits(model, spec, fused, steps=12, prefill=40):
     return torch.cat(out, 1), cache
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", MODEL_SPECS)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_model_logits_fused_equal_reference(spec, arch, tiny_llama, tiny_gemma, monkeypatch):
     model = tiny_llama if arch == "llama" else tiny_gemma

@@ -1,0 +1,70 @@
+"""The docs cannot drift from the code: every Python block of README.md and docs/*.md runs, every CLI
+subcommand and every registered method is documented, and docs/methods.md is what
+`kvstrata methods --markdown` prints today."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kvstrata.cli import build_parser
+from kvstrata.cli.methods_doc import markdown
+from kvstrata.methods import METHODS
+from kvstrata.serve.process import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks(page: Path) -> list[str]:
+    return BLOCK.findall(page.read_text())
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
+def test_python_blocks_run(page, tmp_path, monkeypatch, capsys):
+    """Blocks of one page run in order in one namespace (later blocks use earlier names). The
+    serving page's client talks to a real SmolLM2 server started here (its URL in KVSTRATA_URL)."""
+    monkeypatch.chdir(tmp_path)
+    server = None
+    if page.name == "serving.md":
+        server = ServerProcess("smollm2-135m", "--method", "nvfp4", name="smollm2-135m",
+                               env={"KVSTRATA_STORE_ROOT": str(tmp_path / "store")}).start()
+        monkeypatch.setenv("KVSTRATA_URL", server.base_url)
+    namespace: dict = {"__name__": "__docs__"}
+    try:
+        for i, code in enumerate(python_blocks(page)):
+            exec(compile(code, f"{page.name}[python block {i + 1}]", "exec"), namespace)  # noqa: S102 - our docs
+    finally:
+        if server is not None:
+            server.kill()
+    assert capsys.readouterr().out.strip(), f"{page.name}: the blocks printed nothing"
+
+
+def test_every_subcommand_is_documented():
+    text = "\n".join(p.read_text() for p in PAGES)
+    subcommands = build_parser()._subparsers._group_actions[0].choices
+    missing = [s for s in subcommands if f"kvstrata {s}" not in text]
+    assert missing == [], f"subcommands no page shows: {missing}"
+
+
+def test_readme_counts_the_subcommands():
+    n = len(build_parser()._subparsers._group_actions[0].choices)
+    assert f"lists all {n} subcommands" in (ROOT / "README.md").read_text()
+
+
+def test_every_method_is_documented():
+    page = (ROOT / "docs" / "methods.md").read_text()
+    assert [m for m in METHODS if f"| `{m}` |" not in page] == []
+
+
+def test_methods_page_is_generated():
+    assert (ROOT / "docs" / "methods.md").read_text() == markdown(), \
+        "docs/methods.md is stale: kvstrata methods --markdown > docs/methods.md"
+
+
+def test_readme_is_a_front_door():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert text.index("```python") < text.index("## Results")  # code before tables
