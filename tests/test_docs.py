@@ -28,7 +28,7 @@ def test_python_blocks_run(page, tmp_path, monkeypatch, capsys):
     serving page's client talks to a real SmolLM2 server started here (its URL in KVSTRATA_URL)."""
     monkeypatch.chdir(tmp_path)
     server = None
-    if page.name == "serving.md":
+    if page.name in ("serving.md", "README.md"):
         server = ServerProcess("smollm2-135m", "--method", "nvfp4", name="smollm2-135m",
                                env={"KVSTRATA_STORE_ROOT": str(tmp_path / "store")}).start()
         monkeypatch.setenv("KVSTRATA_URL", server.base_url)
@@ -68,3 +68,10 @@ def test_readme_is_a_front_door():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 250
     assert text.index("```python") < text.index("## Results")  # code before tables
+
+
+def test_readme_headline_is_the_reports():
+    text = (ROOT / "README.md").read_text()
+    table = (ROOT / "docs" / "results" / "headline.md").read_text().strip()
+    start = text.index("<!-- headline: docs/results/headline.md -->\n") + len("<!-- headline: docs/results/headline.md -->\n")
+    assert text[start : text.index("<!-- /headline -->")].strip() == table

@@ -50,3 +50,27 @@ def report_section(rows: list[dict]) -> str:
             lines.append(f"| `{m}` | {e['n']} | {e['s']:.3f} | {f(e['dynamic'])} | {f(e['bf16'])} |")
         lines.append("")
     return "\n".join(lines)
+
+
+HEADLINE = ("dynamic", "bf16", "fp8", "int4:r=32", "nvfp4", "mxfp4", "int2:r=32", "streaming:keep=0.28",
+            "snapkv:keep=0.28", "qcache:quanto:int4")
+
+
+def headline(summary: dict, rows: list[dict], keys: list[tuple[str, int]]) -> str:
+    """README's table: for each (model, length) in `keys`, per method ×smaller than bf16 /
+    retrieval on the usable tasks / decode s per token as a multiple of `dynamic`'s (paired)."""
+    table = ratios(rows)
+    keys = [k for k in keys if k in summary]
+    head = ["method"] + [f"{m} {L // 1024}k: ×smaller / retrieval / decode ×dynamic" for m, L in keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in HEADLINE:
+        if not any(m in summary[k]["methods"] for k in keys):
+            continue
+        cells = [f"`{m}`"]
+        for k in keys:
+            r = summary[k]["methods"].get(m)
+            speed = table.get(k, {}).get(m, {}).get("dynamic")
+            cells.append("–" if r is None else " / ".join(
+                "–" if v is None else f"{v:.2f}" for v in (r["compression"], r["retrieval"], speed)))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

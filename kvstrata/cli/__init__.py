@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     mb = sub.add_parser("memory-bench", help="peak RSS of `generate` on a long prompt vs the KV it holds, per codec")
     mb.add_argument("--model", default="smollm2-135m")
-    mb.add_argument("--tokens", type=int_in(16, BIG), default=8192)
+    mb.add_argument("--tokens", type=int_in(16, BIG), default=8000, help="prompt tokens (with 8 new ones, within the context)")
     mb.add_argument("--methods", default="bf16,fp8,int4:r=32,int2:r=32,mxfp4,nvfp4", help="comma-separated specs")
     mb.add_argument("--chunks", default="512,0", help="comma-separated --prefill-chunk values (0 = one pass)")
     mb.add_argument("--out", default="docs/results/kernels")

@@ -54,6 +54,20 @@ def use_fused(config) -> None:
 
 
 @contextlib.contextmanager
+def hooked(model, name: str, var: ContextVar, value):
+    """Within the block the model attends with implementation `name` and `var` holds `value` (the
+    hook's state); both are restored after."""
+    previous = attention_implementation(model.config)
+    model.set_attn_implementation(name)
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
 def stock_attention(config):
     """Within the block the model attends with the implementation kvstrata replaced (reference
     rows and peers run with no kvstrata code on the attention path)."""

@@ -17,7 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvstrata.hf.attention import attention_implementation, eager_attention
+from kvstrata.hf.attention import eager_attention, hooked
 
 NAME = "kvstrata_probe"
 
@@ -48,12 +48,5 @@ AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 @contextlib.contextmanager
 def probing(model):
     """Within the block, forward passes record queries and attention probabilities per layer."""
-    previous = attention_implementation(model.config)
-    rec = Recording()
-    model.set_attn_implementation(NAME)
-    token = _ACTIVE.set(rec)
-    try:
+    with hooked(model, NAME, _ACTIVE, Recording()) as rec:
         yield rec
-    finally:
-        _ACTIVE.reset(token)
-        model.set_attn_implementation(previous)

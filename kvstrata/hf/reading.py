@@ -13,7 +13,7 @@ import contextlib
 from contextvars import ContextVar
 
 from kvstrata.hf.attention import (
-    attend_view, attention_implementation, delegate, eager_attention, register_reader, take,
+    attend_view, delegate, eager_attention, hooked, register_reader, take,
 )
 from kvstrata.methods import parse_method
 from kvstrata.read.decode import decode_attention
@@ -52,14 +52,8 @@ def sparse_reading(model, cache, cfg: TopK):
     modes = dict(zip(full, cfg.modes(len(full))))
     c = model.config
     state = ReadState(cfg, modes, list(cache.layers), getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    previous = attention_implementation(model.config)
-    model.set_attn_implementation(NAME)
-    token = _STATE.set(state)
-    try:
+    with hooked(model, NAME, _STATE, state):
         yield state
-    finally:
-        _STATE.reset(token)
-        model.set_attn_implementation(previous)
 
 
 def reading(model, cache, spec):
