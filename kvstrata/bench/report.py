@@ -175,7 +175,8 @@ def compact(summary: dict) -> str:
         for k in keys:
             r = summary[k]["methods"].get(m)
             ref = summary[k]["methods"].get("bf16")
-            read = r["bytes_read_per_step"] / ref["bytes_read_per_step"] if r and ref and ref["bytes_read_per_step"] else None
+            read = (r["bytes_read_per_step"] / ref["bytes_read_per_step"]
+                    if r and ref and r["bytes_read_per_step"] and ref["bytes_read_per_step"] else None)
             cells.append("–" if r is None else
                          f"{_f(r['compression'])} / {_f(read, '{:.0%}')} / {_f(r['retrieval'])} / {_f(r['top1'])}")
         lines.append("| " + " | ".join(cells) + " |")
