@@ -53,18 +53,27 @@ class EncodedView:
 
 
     def key_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Visible key positions [start, stop) decoded, `[b, h, stop - start, d]`; only the runs
-        that hold them are decoded."""
+        """Visible key positions [start, stop) decoded, `[b, h, stop - start, d]`; only those rows
+        are decoded (whole runs when keys are grouped per channel)."""
         out, offset = [], 0
         for k, _, skip in self.runs:
             n = (k.shape[-1] if self.key_channel else k.shape[-2]) - skip
             lo, hi = max(start, offset), min(stop, offset + n)
             if lo < hi:
-                kd = self.codec.decode(k).to(dtype)
-                kd = kd.transpose(-1, -2) if self.key_channel else kd
-                out.append(kd[..., skip + lo - offset : skip + hi - offset, :])
+                a, b = skip + lo - offset, skip + hi - offset
+                if self.key_channel:
+                    out.append(self.codec.decode(k).to(dtype).transpose(-1, -2)[..., a:b, :])
+                else:
+                    out.append(self.codec.decode(token_rows(k, a, b)).to(dtype))
             offset += n
         return torch.cat(out, -2)
+
+
+def token_rows(q: QTensor, a: int, b: int) -> QTensor:
+    """Tokens [a, b) of a `[b, h, tokens, d]` QTensor whose codes and scales are per token (every
+    part of 3+ dims has the tokens on dim 2; per-tensor parts stay whole)."""
+    parts = {name: (p[:, :, a:b] if p.dim() >= 3 else p) for name, p in q.parts.items()}
+    return QTensor(q.spec, (*q.shape[:2], b - a, *q.shape[3:]), q.dtype, parts)
 
 
 def _describe(q: QTensor, codec, channel: bool, skip: int, d: int):

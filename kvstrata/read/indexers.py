@@ -46,9 +46,10 @@ def index_rows(indexer: str, k: torch.Tensor, basis: torch.Tensor | None = None)
     return k.float() @ basis
 
 
-def rows_scale(indexer: str, rows: torch.Tensor) -> torch.Tensor | None:
-    """The one tensor scale a set of index rows is held under (lowrank: NVFP4's), else None."""
-    return tensor_scale(rows.abs().amax()) if indexer == "lowrank" and rows.numel() else None
+def amax_scale(indexer: str, amax: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor scale index rows whose largest magnitude is `amax` are held under (lowrank:
+    NVFP4's), else None."""
+    return tensor_scale(amax) if indexer == "lowrank" else None
 
 
 def held(indexer: str, rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

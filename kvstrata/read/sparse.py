@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.read.indexers import INDEXERS, held, hierarchical, index_row_bytes, index_rows, key_basis, rows_scale, score
+from kvstrata.read.indexers import INDEXERS, held, hierarchical, index_row_bytes, amax_scale, index_rows, key_basis, score
 
 NAME = "kvstrata_sparse"
 LIMIT = 1 << 24  # k, sinks, window: tokens, beyond any context we run
@@ -72,6 +72,7 @@ class ReadState:
     bases: dict[int, torch.Tensor] = field(default_factory=dict)  # lowrank indexer: per-layer key basis
     index: dict[int, tuple] = field(default_factory=dict)  # layer -> (generation, rows kept, index rows)
     held: dict[int, tuple] = field(default_factory=dict)  # lowrank: layer -> ((generation, scale), rows kept, NVFP4 rows)
+    amax: dict[int, tuple] = field(default_factory=dict)  # lowrank: layer -> (generation, rows kept, their largest |x|)
     bytes_read: float = 0.0  # index rows scanned + entries gathered, all decode steps
     dense_bytes: float = 0.0  # what dense attention would have read
     steps_seen: int = 0  # Full-layer calls (first layer per step counts one step per Full layer)
@@ -95,14 +96,37 @@ class ReadState:
 
 def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> torch.Tensor:
     """`fn` over every row of `src`. `fn` acts row by row, so its rows below `stable` are kept in
-    `kept[layer]` and reused while `tag` holds (None: keep nothing); later rows are recomputed."""
+    `kept[layer]` = (tag, stable, buffer) and reused while `tag` holds (None: keep nothing); later
+    rows are recomputed, in one call, into the buffer's spare rows (it grows by doubling), so a step
+    computes only its new rows and copies nothing it kept."""
+    n = src.shape[-2]
     entry = kept.get(layer)
     if tag is None or entry is None or entry[0] != tag or entry[1] > stable:
-        entry = (tag, 0, fn(src[..., :0, :]))
-    rows = torch.cat([entry[2], fn(src[..., entry[1] : stable, :])], -2)
+        entry = (tag, 0, None)
+    _, done, buf = entry
+    new = fn(src[..., done:, :])
+    if buf is None or buf.shape[-2] < n:
+        grown = new.new_empty(*new.shape[:-2], max(n, 2 * (0 if buf is None else buf.shape[-2])), new.shape[-1])
+        if done:
+            grown[..., :done, :] = buf[..., :done, :]
+        buf = grown
+    buf[..., done:n, :] = new
     if tag is not None:
-        kept[layer] = (tag, stable, rows)
-    return torch.cat([rows, fn(src[..., stable:, :])], -2)
+        kept[layer] = (tag, stable, buf)
+    return buf[..., :n, :]
+
+
+def _amax(kept: dict, layer: int, tag, stable: int, rows: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of `rows`; that of the rows below `stable` is kept while `tag` holds."""
+    entry = kept.get(layer)
+    if tag is None or entry is None or entry[0] != tag or entry[1] > stable:
+        entry = (tag, 0, rows.new_zeros(()))
+    _, done, top = entry
+    if stable > done:
+        top = torch.maximum(top, rows[..., done:stable, :].abs().amax())
+    if tag is not None:
+        kept[layer] = (tag, stable, top)
+    return torch.maximum(top, rows[..., stable:, :].abs().amax()) if rows.shape[-2] > stable else top
 
 
 def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,8 +144,8 @@ def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand
         rows = _extend(state.index, layer, generation, stable, lambda x: index_rows(cfg.indexer, x, basis), k)
     if cand is not None:  # a subset is held under its own scale
         return score(cfg.indexer, q, held(cfg.indexer, rows.gather(2, cand[..., None].expand(-1, -1, -1, rows.shape[-1]))), basis)
-    scale = rows_scale(cfg.indexer, rows)
-    if scale is not None:
+    if cfg.indexer == "lowrank" and rows.shape[-2]:
+        scale = amax_scale(cfg.indexer, _amax(state.amax, layer, generation, stable, rows))
         tag = None if generation is None else (generation, scale.item())
         rows = _extend(state.held, layer, tag, stable, lambda x: held(cfg.indexer, x, scale), rows)
     return score(cfg.indexer, q, rows, basis)

@@ -55,6 +55,14 @@ def test_fused_equals_decode_then_attend(spec, shape):
 
 
 @pytest.mark.parametrize("spec", SPECS)
+def test_key_rows_decode_only_the_rows_asked_for(spec):
+    view, _, _ = _view(spec, (2, 4, 2, 32), seed=2)
+    keys = torch.cat(view.dense()[0], -2)
+    for a, b in [(0, 1), (3, 70), (59, 60), (60, view.tokens), (0, view.tokens)]:
+        torch.testing.assert_close(view.key_rows(a, b), keys[..., a:b, :], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
 def test_sparse_positions_read_only_those(spec):
     view, (tk, tv), q = _view(spec, (1, 9, 3, 64), seed=1)
     total = view.tokens + tk.shape[-2]

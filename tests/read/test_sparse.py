@@ -153,11 +153,15 @@ def test_kept_index_rows_read_like_index_rows_computed_afresh(tiny_llama, monkey
     assert all(rows > 0 for _, rows, _ in state.index.values())  # rows were kept (not a vacuous check)
     for layer, (_, rows, kept) in state.index.items():  # each kept row is the index row of the key held now
         keys = state.layers[layer].dense()[0][..., :rows, :]
-        torch.testing.assert_close(kept, index_rows(state.cfg.indexer, keys, state.bases.get(layer)), atol=1e-5, rtol=0)
+        torch.testing.assert_close(kept[..., :rows, :], index_rows(state.cfg.indexer, keys, state.bases.get(layer)),
+                                   atol=1e-5, rtol=0)
     assert bool(state.held) == (state.cfg.indexer == "lowrank")
     for layer, ((_, scale), rows, kept) in state.held.items():  # NVFP4 rows kept under the scale they were held at
         index = index_rows("lowrank", state.layers[layer].dense()[0][..., :rows, :], state.bases[layer])
-        torch.testing.assert_close(kept, held("lowrank", index, torch.tensor(scale)), atol=1e-5, rtol=0)
+        torch.testing.assert_close(kept[..., :rows, :], held("lowrank", index, torch.tensor(scale)), atol=1e-5, rtol=0)
+        _, counted, top = state.amax[layer]  # the kept rows' largest magnitude, kept incrementally
+        assert counted == rows
+        torch.testing.assert_close(top, index.abs().amax(), atol=1e-5, rtol=0)
     monkeypatch.setattr(CompressedLayer, "read_prefix", property(lambda self: (None, 0), lambda self, v: None),
                         raising=False)
     fresh, fresh_state = decode(tiny_llama, spec)
