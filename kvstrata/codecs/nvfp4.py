@@ -14,7 +14,7 @@ import torch
 
 from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks
-from kvstrata.codecs.e2m1 import E2M1_MAX, decode_e2m1_packed, encode_e2m1
+from kvstrata.codecs.e2m1 import E2M1_MAX, decode_e2m1, decode_e2m1_packed, encode_e2m1
 from kvstrata.codecs.fp8 import E4M3_MAX
 from kvstrata.codecs.qtensor import QTensor
 
@@ -39,6 +39,19 @@ class NVFP4:
     def encode(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QTensor:
         """`scale`: a tensor scale to use instead of this tensor's own (parts of one tensor encoded
         apart, with the whole tensor's `tensor_scale(amax)`, encode exactly as the whole does)."""
+        ts, block_scale, eff, scaled = self._scaled(x, scale)
+        parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
+        if self.tensor_scale:
+            parts["tensor_scale"] = ts.reshape(1)
+        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, parts)
+
+    def round_trip(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """What `x` reads back as, float32: `decode(encode(x, scale))` without packing the codes."""
+        _, _, eff, scaled = self._scaled(x, scale)
+        return from_blocks(decode_e2m1(encode_e2m1(scaled)) * eff[..., None], tuple(x.shape))
+
+    def _scaled(self, x: torch.Tensor, scale: torch.Tensor | None):
+        """(tensor scale, E4M3 block scales, effective block scales, blocks divided by them)."""
         check_finite(x, self.name)
         b = to_blocks(x, NV_BLOCK)
         amax_block = b.abs().amax(-1)
@@ -49,10 +62,7 @@ class NVFP4:
         block_scale = (amax_block / E2M1_MAX / ts).to(torch.float8_e4m3fn)
         eff = block_scale.float() * ts
         scaled = torch.where(eff[..., None] > 0, b / eff.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
-        parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
-        if self.tensor_scale:
-            parts["tensor_scale"] = ts.reshape(1)
-        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, parts)
+        return ts, block_scale, eff, scaled
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
         """The tensor scale for a tensor whose largest magnitude is `amax`."""

@@ -23,7 +23,7 @@ def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Per-query-head logits grouped by KV head: `[b, kv_heads, q_per_kv, n]`."""
     b, hq, _, d = q.shape
     hk = k.shape[1]
-    return torch.einsum("bgqd,bgnd->bgqn", q[:, :, 0].reshape(b, hk, hq // hk, d).float(), k.float())
+    return q[:, :, 0].reshape(b, hk, hq // hk, d).float() @ k.float().transpose(-1, -2)
 
 
 def key_basis(k: torch.Tensor, rank: int) -> torch.Tensor:
@@ -57,7 +57,7 @@ def held(indexer: str, rows: torch.Tensor, scale: torch.Tensor | None = None) ->
     rows held apart under one scale equal the rows held together), other indexers' as they are."""
     if indexer != "lowrank" or not rows.shape[-2]:
         return rows
-    return get_codec("nvfp4").encode(rows, scale).dequantize()
+    return get_codec("nvfp4").round_trip(rows, scale)
 
 
 def score(indexer: str, q: torch.Tensor, rows: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
