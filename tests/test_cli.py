@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -26,6 +27,16 @@ def test_generate_text_and_prompt_file(tiny_dir, tmp_path, capsys):
     f.write_text("abc")
     assert main(["generate", "--model", tiny_dir, "--prompt-file", str(f), "--max-new-tokens", "2"]) == 0
     assert "B/token" in capsys.readouterr().err
+
+
+def test_generate_profile_lists_time_then_kvstrata_by_total(tiny_dir, capsys):
+    argv = ["generate", "--model", tiny_dir, "--method", "nvfp4+topk:k=4,window=2", "--prompt", "hello there " * 8,
+            "--max-new-tokens", "3", "--profile", "5"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("ncalls") == 2  # self-time listing, then ours by total time
+    ours = [line for line in err.split("ncalls")[2].splitlines()[1:] if re.match(r"\s+\d", line)]
+    assert ours and all(re.search(r"kvstrata[/\\](read|hf|codecs)", line) for line in ours), ours
 
 
 def test_bad_method_fails_before_loading(capsys):

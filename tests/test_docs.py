@@ -42,6 +42,15 @@ def test_python_blocks_run(page, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.strip(), f"{page.name}: the blocks printed nothing"
 
 
+def test_the_own_model_block_runs_on_its_own(tmp_path, monkeypatch, capsys):
+    """A newcomer copies one block: the README's own-model block needs nothing from the others."""
+    monkeypatch.chdir(tmp_path)
+    [code] = [b for b in python_blocks(ROOT / "README.md") if "save_tiny(" in b]
+    code = code.replace("/tmp/kvstrata-my-model", str(tmp_path / "my-model"))
+    exec(compile(code, "README.md[own model]", "exec"), {"__name__": "__docs__"})  # noqa: S102 - our docs
+    assert capsys.readouterr().out.strip()
+
+
 def test_every_subcommand_is_documented():
     text = "\n".join(p.read_text() for p in PAGES)
     subcommands = build_parser()._subparsers._group_actions[0].choices

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-chunk", type=int_in(0, BIG), default=512,
                    help="prompt tokens per prefill pass (bounds the prefill's transient memory; 0 = one pass)")
     g.add_argument("--profile", type=int_in(1, 200), metavar="N",
-                   help="print the N functions that took the most time (cProfile, self time) to stderr")
+                   help="print to stderr the N functions with the most self time, then kvstrata's N with the "
+                        "most total time (cProfile)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=c.cmd_generate)
 

@@ -61,7 +61,9 @@ def cmd_generate(args) -> int:
 
         prof = cProfile.Profile()
         g = prof.runcall(generate, model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(args.profile)
+        stats = pstats.Stats(prof, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(args.profile)
+        stats.sort_stats("cumulative").print_stats(r"kvstrata[/\\](read|hf|codecs)", args.profile)  # ours, by total
     else:
         g = generate(model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
     if args.json:
