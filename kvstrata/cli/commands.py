@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -55,17 +56,18 @@ def cmd_generate(args) -> int:
     model, tok = load(args.model)
     ids = tok(prompt, return_tensors="pt").input_ids
     check_fits(model, ids.shape[1], args.max_new_tokens)
+    run = functools.partial(generate, model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
     if args.profile:
         import cProfile
         import pstats
 
         prof = cProfile.Profile()
-        g = prof.runcall(generate, model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
+        g = prof.runcall(run)
         stats = pstats.Stats(prof, stream=sys.stderr)
         stats.sort_stats("tottime").print_stats(args.profile)
         stats.sort_stats("cumulative").print_stats(r"kvstrata[/\\](read|hf|codecs)", args.profile)  # ours, by total
     else:
-        g = generate(model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
+        g = run()
     if args.json:
         row = {
             "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk,

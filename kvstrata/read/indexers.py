@@ -46,10 +46,9 @@ def index_rows(indexer: str, k: torch.Tensor, basis: torch.Tensor | None = None)
     return k.float() @ basis
 
 
-def amax_scale(indexer: str, amax: torch.Tensor) -> torch.Tensor | None:
-    """The one tensor scale index rows whose largest magnitude is `amax` are held under (lowrank:
-    NVFP4's), else None."""
-    return tensor_scale(amax) if indexer == "lowrank" else None
+def held_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The one NVFP4 tensor scale lowrank index rows whose largest magnitude is `amax` are held under."""
+    return tensor_scale(amax)
 
 
 def held(indexer: str, rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

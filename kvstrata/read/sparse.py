@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.read.indexers import INDEXERS, held, hierarchical, index_row_bytes, amax_scale, index_rows, key_basis, score
+from kvstrata.read.indexers import INDEXERS, held, held_scale, hierarchical, index_row_bytes, index_rows, key_basis, score
 
 NAME = "kvstrata_sparse"
 LIMIT = 1 << 24  # k, sinks, window: tokens, beyond any context we run
@@ -94,16 +94,22 @@ class ReadState:
         return self.bytes_read / n, self.dense_bytes / n
 
 
+def _kept(kept: dict, layer: int, tag, stable: int, empty):
+    """(rows kept, what was kept for them) of `kept[layer]` while `tag` holds and no more than
+    `stable` rows are kept; else (0, `empty`)."""
+    entry = kept.get(layer)
+    if tag is None or entry is None or entry[0] != tag or entry[1] > stable:
+        return 0, empty
+    return entry[1], entry[2]
+
+
 def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> torch.Tensor:
     """`fn` over every row of `src`. `fn` acts row by row, so its rows below `stable` are kept in
     `kept[layer]` = (tag, stable, buffer) and reused while `tag` holds (None: keep nothing); later
     rows are recomputed, in one call, into the buffer's spare rows (it grows by doubling), so a step
     computes only its new rows and copies nothing it kept."""
     n = src.shape[-2]
-    entry = kept.get(layer)
-    if tag is None or entry is None or entry[0] != tag or entry[1] > stable:
-        entry = (tag, 0, None)
-    _, done, buf = entry
+    done, buf = _kept(kept, layer, tag, stable, None)
     new = fn(src[..., done:, :])
     if buf is None or buf.shape[-2] < n:
         grown = new.new_empty(*new.shape[:-2], max(n, 2 * (0 if buf is None else buf.shape[-2])), new.shape[-1])
@@ -118,10 +124,7 @@ def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> 
 
 def _amax(kept: dict, layer: int, tag, stable: int, rows: torch.Tensor) -> torch.Tensor:
     """Largest magnitude of `rows`; that of the rows below `stable` is kept while `tag` holds."""
-    entry = kept.get(layer)
-    if tag is None or entry is None or entry[0] != tag or entry[1] > stable:
-        entry = (tag, 0, rows.new_zeros(()))
-    _, done, top = entry
+    done, top = _kept(kept, layer, tag, stable, rows.new_zeros(()))
     if stable > done:
         top = torch.maximum(top, rows[..., done:stable, :].abs().amax())
     if tag is not None:
@@ -145,7 +148,7 @@ def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand
     if cand is not None:  # a subset is held under its own scale
         return score(cfg.indexer, q, held(cfg.indexer, rows.gather(2, cand[..., None].expand(-1, -1, -1, rows.shape[-1]))), basis)
     if cfg.indexer == "lowrank" and rows.shape[-2]:
-        scale = amax_scale(cfg.indexer, _amax(state.amax, layer, generation, stable, rows))
+        scale = held_scale(_amax(state.amax, layer, generation, stable, rows))
         tag = None if generation is None else (generation, scale.item())
         rows = _extend(state.held, layer, tag, stable, lambda x: held(cfg.indexer, x, scale), rows)
     return score(cfg.indexer, q, rows, basis)
