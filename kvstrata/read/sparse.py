@@ -76,6 +76,7 @@ class ReadState:
     bytes_read: float = 0.0  # index rows scanned + entries gathered, all decode steps
     dense_bytes: float = 0.0  # what dense attention would have read
     steps_seen: int = 0  # Full-layer calls (first layer per step counts one step per Full layer)
+    reindexes: bool = field(init=False)  # the schedule has Reindex layers (they need Full layers' candidates)
 
     def rows(self, layer: int) -> tuple[float, float, float]:
         """Bytes of one K row, V row and index-key row per KV head, measured once the layer holds data."""
@@ -83,6 +84,9 @@ class ReadState:
             kb, vb = self.layers[layer].row_bytes()
             self.row_bytes[layer] = (kb, vb, index_row_bytes(self.cfg.indexer, self.head_dim, self.cfg.rank, kb))
         return self.row_bytes[layer]
+
+    def __post_init__(self):
+        self.reindexes = "R" in self.modes.values()
 
     @property
     def steps(self) -> int:
@@ -175,7 +179,7 @@ def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> to
             state.bytes_read += n * heads * ib
             top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
             # Reindex layers re-score the Full layer's 4k candidates; without them nobody needs those
-            cand = scores.topk(min(4 * cfg.k, middle), -1).indices if "R" in state.modes.values() else None
+            cand = scores.topk(min(4 * cfg.k, middle), -1).indices if state.reindexes else None
         state.source = {"top": top, "cand": cand}
     elif mode == "R":
         cand = state.source["cand"]
