@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.codecs import spec_of
 from kvstrata.hf.cache import CompressedCache, layer_classes
 from kvstrata.hf.run import bf16_bytes_per_token
 from kvstrata.methods import parse_method
@@ -41,7 +42,7 @@ def account_hf(config, method: str, tokens: int, dtype: torch.dtype = torch.floa
 
 
 def _recipe_text(recipe) -> str:
-    parts = [recipe.codec] + ([f"keep {recipe.keep}"] if recipe.keep else []) + ([f"r={recipe.r}"] if recipe.r else [])
+    parts = [spec_of(recipe.codec)] + ([f"keep {spec_of(recipe.keep)}"] if recipe.keep else []) + ([f"r={recipe.r}"] if recipe.r else [])
     return " ".join(parts)
 
 

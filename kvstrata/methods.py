@@ -8,99 +8,47 @@ Grammar::
 
 The first recipe applies to every layer; `full=` / `sliding=` override one class of layers
 (V4.1 keeps global KV in FP4 and sliding-window KV in FP8: `nvfp4;sliding=fp8`). One registry
-(`METHODS`) resolves names; each entry says its stratum and its own parameters.
+(`kvstrata.registry`) resolves names; each entry says its stratum and its own parameters. A parsed
+spec holds config instances; text is rendered back from them only at the edges (`spec_of`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import cached_property
 
-from kvstrata.codecs import CODECS, build, coerce_params, get_codec, split_spec
-from kvstrata.codecs.base import codec_spec
-from kvstrata.codecs.depth import FreqDepth
-from kvstrata.codecs.minicache import MiniCache
-from kvstrata.keep import KEEP_POLICIES
-from kvstrata.read.sparse import TopK
+from kvstrata.codecs import BF16, Codec, build, coerce_params, split_spec
+from kvstrata.keep import KeepPolicy
+from kvstrata.read import TopK
+from kvstrata.registry import REGISTRY
 
 LAYER_CLASSES = ("full", "sliding")
 MAX_RECENT = 1 << 24  # r: recent tokens kept in full precision (beyond any context we run)
+METHODS = REGISTRY  # name -> registry Entry (stratum, config class, defaults, tolerance)
 
 
 @dataclass(frozen=True)
 class StoreRecipe:
-    """How one class of layers stores K/V.
+    """How one class of layers stores K/V: config instances, resolved once when the spec is parsed.
 
-    codec: canonical element-codec spec; r: most recent tokens kept in full precision (KIVI
-    residual, 0 allowed); key_axis: "token" (scales per token, along head_dim) or "channel"
-    (KIVI keys: groups run along tokens, so tokens are encoded `group` at a time).
+    codec: the element codec; r: most recent tokens kept in full precision (KIVI residual, 0
+    allowed); key_axis: "token" (scales per token, along head_dim) or "channel" (KIVI keys: groups
+    run along tokens, so tokens are encoded `group` at a time); keep: the keep policy applied to
+    the context after prefill; depth: the depth-sharing codec (FreqDepthKV, MiniCache) for groups
+    of adjacent layers; read: the top-k sparse decode-read config.
     """
 
-    codec: str = "bf16"
+    codec: Codec = BF16()
     r: int = 0
     key_axis: str = "token"
-    keep: str | None = None  # canonical keep-policy spec, applied to the context after prefill
-    depth: str | None = None  # canonical depth-sharing spec (FreqDepthKV) for groups of adjacent layers
-    read: str | None = None  # canonical read-stratum spec (top-k sparse decode reads)
-
-    # Objects are resolved from the canonical strings once per recipe (recipes are immutable), so
-    # nothing on the encode / decode path parses a spec or looks up a registry.
-    @cached_property
-    def codec_obj(self):
-        """The element codec instance."""
-        return get_codec(self.codec)
-
-    @cached_property
-    def _read(self):
-        return build(self.read, READ_METHODS) if self.read else None
-
-    @cached_property
-    def _depth(self):
-        return build(self.depth, DEPTH_METHODS) if self.depth else None
-
-    @cached_property
-    def _keep(self):
-        return build(self.keep, KEEP_POLICIES) if self.keep else None
-
-    def read_config(self):
-        """The sparse-read config (TopK) instance, or None for dense reads."""
-        return self._read
-
-    def depth_config(self):
-        """The depth-sharing codec (FreqDepth, MiniCache) instance, or None."""
-        return self._depth
-
-    def keep_policy(self):
-        """The keep policy instance, or None when every token is kept."""
-        return self._keep
+    keep: KeepPolicy | None = None
+    depth: object | None = None
+    read: TopK | None = None
 
     @cached_property
     def key_group(self) -> int:
         """Tokens encoded together for keys (1 unless keys are grouped per channel)."""
-        return getattr(self.codec_obj, "group", 1) if self.key_axis == "channel" else 1
-
-
-@dataclass(frozen=True)
-class MethodEntry:
-    name: str
-    stratum: str
-    summary: str
-    defaults: dict = field(default_factory=dict)  # method-level parameter defaults (besides the codec's)
-
-
-def _codec_entry(name: str) -> MethodEntry:
-    cls = CODECS[name]
-    integer = name.startswith("int")
-    defaults = {"r": 128, "keys": "channel"} if integer else {"r": 0, "keys": "token"}
-    return MethodEntry(name, "store", cls.summary, defaults)
-
-
-METHODS: dict[str, MethodEntry] = {name: _codec_entry(name) for name in CODECS}
-METHODS.update({name: MethodEntry(name, "keep", cls.summary) for name, cls in KEEP_POLICIES.items()})
-DEPTH_METHODS = {c.name: c for c in (FreqDepth, MiniCache)}
-METHODS.update({name: MethodEntry(name, "depth", cls.summary) for name, cls in DEPTH_METHODS.items()})
-READ_METHODS = {c.name: c for c in (TopK,)}
-METHODS.update({name: MethodEntry(name, "read", cls.summary) for name, cls in READ_METHODS.items()})
+        return getattr(self.codec, "group", 1) if self.key_axis == "channel" else 1
 
 
 @dataclass(frozen=True)
@@ -118,19 +66,16 @@ class MethodSpec:
         return self.text
 
 
-def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
-    """A store component -> StoreRecipe; a keep component -> its canonical spec string."""
+def _parse_component(text: str):
+    """A store component -> StoreRecipe; a keep / depth / read component -> (stratum, instance)."""
     name, params = split_spec(text)
     if not name:
         raise ValueError(f"empty method name in {text!r}")
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r} in {text!r} (known: {', '.join(METHODS)})")
-    entry = METHODS[name]
-    if entry.stratum == "keep":
-        return codec_spec(build(text, KEEP_POLICIES))
-    if entry.stratum in ("depth", "read"):
-        registry = DEPTH_METHODS if entry.stratum == "depth" else READ_METHODS
-        return (entry.stratum, codec_spec(build(text, registry)))
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r} in {text!r} (known: {', '.join(REGISTRY)})")
+    entry = REGISTRY[name]
+    if entry.stratum != "store":
+        return (entry.stratum, build(text, entry.stratum))
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     try:
@@ -141,11 +86,11 @@ def _parse_component(text: str) -> StoreRecipe | str | tuple[str, str]:
         raise ValueError(f"{name}: parameter r must be >= 0 and <= {MAX_RECENT}, got {r_int}")
     if keys not in ("token", "channel"):
         raise ValueError(f"{name}: parameter keys must be 'token' or 'channel', got {keys!r}")
-    cls = CODECS[name]
+    cls = entry.cls
     codec = cls(**coerce_params(cls, params, f"method {name}"))
     if keys == "channel" and not hasattr(codec, "group"):
         raise ValueError(f"{name}: keys=channel needs a grouped integer codec")
-    return StoreRecipe(codec_spec(codec), r_int, keys)
+    return StoreRecipe(codec, r_int, keys)
 
 
 def _parse_recipe(text: str) -> StoreRecipe:
@@ -154,9 +99,7 @@ def _parse_recipe(text: str) -> StoreRecipe:
         raise ValueError(f"empty component in {text!r}")
     parsed = [_parse_component(p) for p in parts]
     stores = [r for r in parsed if isinstance(r, StoreRecipe)]
-    keeps = [r for r in parsed if isinstance(r, str)]
-    depths = [r[1] for r in parsed if isinstance(r, tuple) and r[0] == "depth"]
-    reads = [r[1] for r in parsed if isinstance(r, tuple) and r[0] == "read"]
+    keeps, depths, reads = ([r[1] for r in parsed if isinstance(r, tuple) and r[0] == s] for s in ("keep", "depth", "read"))
     for what, found in (("element codecs", stores), ("keep policies", keeps), ("depth-sharing methods", depths),
                         ("read methods", reads)):
         if len(found) > 1:

@@ -1,22 +1,23 @@
 import pytest
 
+from kvstrata.codecs import spec_of
 from kvstrata.methods import parse_method
 
 
 def test_defaults_and_params():
     m = parse_method("nvfp4:r=64")
-    assert m.full.codec == "nvfp4" and m.full.r == 64 and m.full == m.sliding
+    assert spec_of(m.full.codec) == "nvfp4" and m.full.r == 64 and m.full == m.sliding
     k = parse_method("int2:group=32,r=128")
-    assert (k.full.codec, k.full.r, k.full.key_axis) == ("int2", 128, "channel")
+    assert (spec_of(k.full.codec), k.full.r, k.full.key_axis) == ("int2", 128, "channel")
     assert parse_method("int4").full.r == 128  # KIVI default residual
-    assert parse_method("fp8:block=32").full.codec == "fp8:block=32"
+    assert spec_of(parse_method("fp8:block=32").full.codec) == "fp8:block=32"
 
 
 def test_layer_class_overrides():
     m = parse_method("nvfp4;sliding=fp8")
-    assert m.full.codec == "nvfp4" and m.sliding.codec == "fp8"
+    assert spec_of(m.full.codec) == "nvfp4" and spec_of(m.sliding.codec) == "fp8"
     m = parse_method("bf16; full=mxfp4:r=16")
-    assert m.full.codec == "mxfp4" and m.full.r == 16 and m.sliding.codec == "bf16"
+    assert spec_of(m.full.codec) == "mxfp4" and m.full.r == 16 and spec_of(m.sliding.codec) == "bf16"
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstrata.bench.runner import BenchConfig
+from kvstrata.codecs import spec_of
 from kvstrata.codecs.depth import MODES
 
 #: bf16 first (the reference), then forced modes (what sharing alone costs), then the probe's
@@ -45,11 +46,11 @@ def _knobs(method: str) -> dict:
     from kvstrata.methods import parse_method
 
     full = parse_method(method).full
-    cfg = full.depth_config()
+    cfg = full.depth
     if cfg is None:
-        return {"codec": full.codec}
+        return {"codec": spec_of(full.codec)}
     return {"g": cfg.g, "f": cfg.f, "r": cfg.r if cfg.mode in ("probe", "residual") else None,
-            "tol": cfg.tol if cfg.mode == "probe" else None, "norm": cfg.norm, "mode": cfg.mode, "codec": full.codec}
+            "tol": cfg.tol if cfg.mode == "probe" else None, "norm": cfg.norm, "mode": cfg.mode, "codec": spec_of(full.codec)}
 
 
 def _modes(rows: list[dict]) -> str:

@@ -65,7 +65,7 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
     for spec in CODECS:
         rec = parse_method(spec).full
         seg = encode_segment(rec, k, v)
-        view = EncodedView(rec.codec_obj, rec.key_axis == "channel", [(seg.keys, seg.values, 0)])
+        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)])
         held = sum(t.numel() * t.element_size() for t in seg.parts())
         if module is not None:
             args = kernel_args(view, tk, tv)
@@ -75,7 +75,7 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
             kernel = None
         op = _time(lambda: decode_attention(q, view, tk, tv, scale), repeats)
         bw = copy_bandwidth(held, repeats)
-        rows.append(dict(base, codec=rec.codec_obj.name, spec=spec, seconds=op, kernel_seconds=kernel, bytes=held,
+        rows.append(dict(base, codec=rec.codec.name, spec=spec, seconds=op, kernel_seconds=kernel, bytes=held,
                          copy_bytes_per_s=bw, effective_bytes_per_s=held / (kernel or op),
                          vs_sdpa_bf16=op / sdpa_bf16, vs_sdpa_f32=op / sdpa_f32))
     return rows
@@ -101,14 +101,14 @@ def measure_cuda(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[d
     for spec in CODECS:
         rec = parse_method(spec).full
         seg = encode_segment(rec, k.cuda(), v.cuda())
-        view = EncodedView(rec.codec_obj, rec.key_axis == "channel", [(seg.keys, seg.values, 0)])
+        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)])
         runs = triton_runs(view)
         held = sum(t.numel() * t.element_size() for t in seg.parts())
         op = _time(lambda: triton_decode.attend(q, runs, tk, tv, scale), repeats, True)
         src = torch.ones(held, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
         bw = held / _time(lambda: dst.copy_(src), repeats, True)
-        rows.append(dict(base, codec=rec.codec_obj.name, spec=spec, seconds=op, bytes=held, copy_bytes_per_s=bw,
+        rows.append(dict(base, codec=rec.codec.name, spec=spec, seconds=op, bytes=held, copy_bytes_per_s=bw,
                          effective_bytes_per_s=held / op, vs_sdpa_bf16=op / sdpa, vs_sdpa_f32=None))
     return rows
 

@@ -59,7 +59,7 @@ def family(spec: str) -> str:
     if m.full.depth is not None:
         return "depth"
     keep = m.full.keep is not None
-    quant = m.full.codec != "bf16" or m.sliding.codec != "bf16"
+    quant = m.full.codec.name != "bf16" or m.sliding.codec.name != "bf16"
     if keep:
         return "eviction+quant" if quant else "eviction"
     return "quantization" if quant else "reference"

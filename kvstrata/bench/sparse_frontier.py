@@ -11,6 +11,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvstrata.bench.tasks import RETRIEVAL
+from kvstrata.codecs import spec_of
 from kvstrata.methods import parse_method
 
 TARGET_READ, TARGET_SLACK, TARGET_LENGTH = 0.10, 0.01, 8192
@@ -19,10 +20,10 @@ TARGET_READ, TARGET_SLACK, TARGET_LENGTH = 0.10, 0.01, 8192
 def knobs(method: str) -> dict:
     """What a sparse-read spec sets: k, schedule, indexer (+ rank), the store codec, depth sharing."""
     full = parse_method(method).full
-    cfg = full.read_config()
+    cfg = full.read
     indexer = f"{cfg.indexer} r={cfg.rank}" if cfg.indexer == "lowrank" else cfg.indexer
     return {"k": cfg.k, "schedule": cfg.schedule + (" hier" if cfg.hier else ""), "indexer": indexer,
-            "store": full.codec + (f" + {full.depth}" if full.depth else "")}
+            "store": spec_of(full.codec) + (f" + {spec_of(full.depth)}" if full.depth else "")}
 
 
 def points(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:

@@ -9,23 +9,15 @@ from pathlib import Path
 
 
 def cmd_methods(args) -> int:
-    import dataclasses
+    from kvstrata.cli.methods_doc import defaults, markdown
+    from kvstrata.registry import STRATA, entries
 
     if args.markdown:
-        from kvstrata.cli.methods_doc import markdown
-
         print(markdown(), end="")
         return 0
-
-    from kvstrata.codecs import CODECS
-    from kvstrata.keep import KEEP_POLICIES
-    from kvstrata.methods import DEPTH_METHODS, METHODS, READ_METHODS
-
-    classes = {**CODECS, **KEEP_POLICIES, **DEPTH_METHODS, **READ_METHODS}
-    for entry in METHODS.values():
-        params = {f.name: f.default for f in dataclasses.fields(classes[entry.name])} | entry.defaults
-        defaults = ",".join(f"{k}={v}" for k, v in params.items())
-        print(f"{entry.name:<10} {entry.stratum:<6} {entry.summary}  [{defaults}]")
+    for entry in (e for stratum in STRATA for e in entries(stratum)):
+        params = ",".join(f"{k}={v}" for k, v in defaults(entry.name).items())
+        print(f"{entry.name:<10} {entry.stratum:<6} {entry.summary}  [{params}]")
     return 0
 
 

@@ -7,12 +7,9 @@ import dataclasses
 
 import torch
 
-from kvstrata.codecs import CODECS
 from kvstrata.hf.segments import encode_segment
-from kvstrata.keep import KEEP_POLICIES
-from kvstrata.methods import DEPTH_METHODS, METHODS, READ_METHODS, parse_method
+from kvstrata.methods import METHODS, parse_method
 
-CLASSES = {**CODECS, **KEEP_POLICIES, **DEPTH_METHODS, **READ_METHODS}
 # SmolLM2-135M: 30 layers, 3 KV heads x 64 dims, every layer full attention
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
@@ -39,9 +36,14 @@ per channel along tokens, integer codecs only).
 """
 
 
+def defaults(name: str) -> dict:
+    """Every parameter of a registered method with its default (config fields, then r / keys)."""
+    entry = METHODS[name]
+    return {f.name: f.default for f in dataclasses.fields(entry.cls)} | dict(entry.defaults)
+
+
 def _params(name: str) -> str:
-    fields = {f.name: f.default for f in dataclasses.fields(CLASSES[name])} | METHODS[name].defaults
-    return ", ".join(f"`{k}={v}`" for k, v in fields.items()) or "–"
+    return ", ".join(f"`{k}={v}`" for k, v in defaults(name).items()) or "–"
 
 
 def bytes_per_token(spec: str) -> float:

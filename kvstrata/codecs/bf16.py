@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.blocks import check_finite
 from kvstrata.codecs.qtensor import QTensor
 
@@ -19,7 +18,7 @@ class BF16:
 
     def encode(self, x: torch.Tensor) -> QTensor:
         check_finite(x, self.name)
-        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, {"values": x.to(torch.bfloat16).contiguous()})
+        return QTensor(self, tuple(x.shape), x.dtype, {"values": x.to(torch.bfloat16).contiguous()})
 
     def decode(self, q: QTensor) -> torch.Tensor:
         return q.parts["values"].float()

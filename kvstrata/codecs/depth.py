@@ -17,9 +17,9 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs import QTensor, get_codec
+from kvstrata.codecs.base import Codec
 from kvstrata.codecs.depth_dct import DepthSplit, dct_matrix, merge, split
-from kvstrata.codecs.qtensor import held_bytes
+from kvstrata.codecs.qtensor import QTensor, held_bytes
 
 MODES = ("shared", "residual", "exact")
 
@@ -39,7 +39,7 @@ class FreqDepth:
 
     start: ClassVar[float] = 0.0  # groups start at the first layer
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, queries, codec: str, state: dict) -> "DepthBlock":
+    def encode(self, k: torch.Tensor, v: torch.Tensor, queries, codec: Codec, state: dict) -> "DepthBlock":
         """`k, v: [g, b, h, T, d]`, `queries: [g, b, h, nq, d]` or None. The first call probes and
         fixes each head's mode in `state`; later blocks reuse it."""
         if "modes" not in state and self.mode != "probe":
@@ -71,9 +71,9 @@ class Encoded:
             yield from (p.parts.values() if isinstance(p, QTensor) else [p])
 
 
-def _encode(x: torch.Tensor, mode: str, cfg: FreqDepth, codec: str, queries) -> Encoded:
+def _encode(x: torch.Tensor, mode: str, cfg: FreqDepth, codec: Codec, queries) -> Encoded:
     """`x: [g, b, 1, T, d]` (one head) -> Encoded."""
-    c = get_codec(codec)
+    c = codec
     if mode == "exact":
         return Encoded(mode, {f"layer{j}": c.encode(x[j]) for j in range(x.shape[0])})
     s = split(x, cfg.f, cfg.r if mode == "residual" else 0.0, queries, cfg.norm)
@@ -105,7 +105,7 @@ def _attention_error(q, k, v, k2, v2) -> float:
     return ((o2 - o).norm(dim=(-1, -2)) / o.norm(dim=(-1, -2)).clamp(min=1e-12)).max().item()
 
 
-def probe_mode(k, v, queries, cfg: FreqDepth, codec: str) -> str:
+def probe_mode(k, v, queries, cfg: FreqDepth, codec: Codec) -> str:
     """Cheapest mode within `cfg.tol` for one head (`k, v: [g, b, 1, T, d]`, `queries: [g, b, nq, d]`)."""
     for mode in MODES[:-1]:
         q = queries[:, :, None] if mode == "residual" else None
@@ -163,11 +163,11 @@ def _decode_layer(e: Encoded, j: int, g: int, dtype) -> torch.Tensor:
     return (x * e.parts["scales"][j]).to(dtype)
 
 
-def encode_block(k: torch.Tensor, v: torch.Tensor, modes: list[str], cfg: FreqDepth, codec: str,
+def encode_block(k: torch.Tensor, v: torch.Tensor, modes: list[str], cfg: FreqDepth, codec: Codec,
                  queries: torch.Tensor | None) -> DepthBlock:
     """`k, v: [g, b, h, T, d]`; `queries: [g, b, h, nq, d]` (per KV head) ranks residual tokens."""
     if all(m == "exact" for m in modes):
-        c = get_codec(codec)
+        c = codec
         return DepthBlock(k.shape[-2], [], [(c.encode(k[j]), c.encode(v[j])) for j in range(k.shape[0])])
     heads = []
     for h, mode in enumerate(modes):

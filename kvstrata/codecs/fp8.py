@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.blocks import check_finite, from_blocks, to_blocks
 from kvstrata.codecs.qtensor import QTensor
 
@@ -33,7 +32,7 @@ class FP8:
         # an all-zero block, or one so small its scale underflows float32, encodes as zeros under scale 1
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = (b / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
-        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, {"codes": codes, "scales": scale})
+        return QTensor(self, tuple(x.shape), x.dtype, {"codes": codes, "scales": scale})
 
     def decode(self, q: QTensor) -> torch.Tensor:
         values = q.parts["codes"].view(torch.float8_e4m3fn).float() * q.parts["scales"][..., None]

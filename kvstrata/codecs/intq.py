@@ -9,7 +9,6 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks, unpack_bits
 from kvstrata.codecs.qtensor import QTensor
 
@@ -37,7 +36,7 @@ class _IntCodec:
         s = scale.float()[..., None]
         q = torch.where(s > 0, ((b - lo.float()[..., None]) / s.clamp(min=1e-30)).round(), 0.0)
         codes = pack_bits(q.clamp(0, qmax), self.bits)
-        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, {"codes": codes, "scales": scale, "mins": lo})
+        return QTensor(self, tuple(x.shape), x.dtype, {"codes": codes, "scales": scale, "mins": lo})
 
     def decode(self, q: QTensor) -> torch.Tensor:
         codes = unpack_bits(q.parts["codes"], self.bits).float()

@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs import QTensor, get_codec
-from kvstrata.codecs.qtensor import held_bytes
+from kvstrata.codecs.base import Codec
+from kvstrata.codecs.qtensor import QTensor, held_bytes
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,9 @@ class MiniCache:
         if not 0.0 <= self.start < 1.0 or not 0.0 <= self.t <= 1.0 or not 0.0 <= self.gamma <= 1.0 or not 1 <= self.block <= 65536:
             raise ValueError(f"minicache: need 0 <= start < 1, 0 <= t <= 1, 0 <= gamma <= 1, 1 <= block <= 65536; got {self}")
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, queries, codec: str, state: dict) -> "MergedBlock":
+    def encode(self, k: torch.Tensor, v: torch.Tensor, queries, codec: Codec, state: dict) -> "MergedBlock":
         """`k, v: [2, b, h, T, d]` -> MergedBlock."""
-        c = get_codec(codec)
-        return MergedBlock(k.shape[-2], [self._merge(x, c) for x in (k, v)])
+        return MergedBlock(k.shape[-2], [self._merge(x, codec) for x in (k, v)])
 
     def _merge(self, x: torch.Tensor, c) -> dict:
         norms = x.norm(dim=-1, keepdim=True).clamp(min=1e-12)

@@ -7,7 +7,6 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks
 from kvstrata.codecs.e2m1 import decode_e2m1_packed, encode_e2m1
 from kvstrata.codecs.qtensor import QTensor
@@ -41,7 +40,7 @@ class MXFP4:
         exp = torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
         codes = encode_e2m1(b / pow2(exp)[..., None])  # |x| in (6, 8) * 2^exp saturates to 6
         parts = {"codes": pack_bits(codes, 4), "scales": (exp + E8M0_BIAS).to(torch.uint8)}
-        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, parts)
+        return QTensor(self, tuple(x.shape), x.dtype, parts)
 
     def decode(self, q: QTensor) -> torch.Tensor:
         scale = pow2(q.parts["scales"].to(torch.int32) - E8M0_BIAS)

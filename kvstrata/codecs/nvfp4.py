@@ -12,7 +12,6 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.base import codec_spec
 from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks
 from kvstrata.codecs.e2m1 import E2M1_MAX, decode_e2m1, decode_e2m1_packed, encode_e2m1
 from kvstrata.codecs.fp8 import E4M3_MAX
@@ -43,7 +42,7 @@ class NVFP4:
         parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
         if self.tensor_scale:
             parts["tensor_scale"] = ts.reshape(1)
-        return QTensor(codec_spec(self), tuple(x.shape), x.dtype, parts)
+        return QTensor(self, tuple(x.shape), x.dtype, parts)
 
     def round_trip(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """What `x` reads back as, float32: `decode(encode(x, scale))` without packing the codes."""

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvstrata.codecs.spec import spec_of
+
 
 def held_bytes(tensors) -> int:
     """Bytes of storage actually held by `tensors` (shared storages counted once)."""
@@ -24,21 +26,23 @@ class QTensor:
 
     `parts` holds the stored tensors (e.g. `codes: [..., n_blocks, block_bytes] uint8`,
     `scales: [..., n_blocks]`); leading dims equal the original tensor's leading dims, blocks run
-    along the original last dimension. `spec` names the codec with its parameters, so the tensor
-    can be decoded without outside context.
+    along the original last dimension. `codec` is the codec instance that made it (its `spec`
+    string goes into record headers), so the tensor decodes without outside context.
     """
 
-    spec: str
+    codec: object
     shape: tuple[int, ...]
     dtype: torch.dtype
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Decode back to a dense tensor of the original shape (and dtype unless given)."""
-        from kvstrata.codecs import get_codec
+        return self.codec.decode(self).to(dtype or self.dtype)
 
-        out = get_codec(self.spec).decode(self)
-        return out.to(dtype or self.dtype)
+    @property
+    def spec(self) -> str:
+        """The codec's canonical spec string (what a record header stores)."""
+        return spec_of(self.codec)
 
     @property
     def nbytes(self) -> int:

@@ -55,7 +55,7 @@ class CompressedLayer(CacheLayerMixin):
     def view(self) -> EncodedView:
         """The encoded segments as they are now (later appends do not change it)."""
         runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
-        return EncodedView(self.recipe.codec_obj, self.recipe.key_axis == "channel", runs, self.generation)
+        return EncodedView(self.recipe.codec, self.recipe.key_axis == "channel", runs, self.generation)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
@@ -100,7 +100,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _keep(self, scores: torch.Tensor | None) -> None:
         """Apply the recipe's keep policy to the tail (full-attention layers only)."""
-        policy = self.recipe.keep_policy()
+        policy = self.recipe.keep
         if policy is None or self.is_sliding:
             return
         if policy.needs_scores and scores is None:
@@ -288,7 +288,7 @@ class CompressedCache(Cache):
         from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 
         recipe = self.method.full
-        cfg = recipe.depth_config()
+        cfg = recipe.depth
         g, first = cfg.g, int(cfg.start * len(classes))
         self.depth_groups = []
         run: list[int] = []

@@ -22,7 +22,7 @@ from kvstrata.read.decode import EncodedView
 class DepthGroup:
     def __init__(self, recipe: StoreRecipe, members: list["DepthLayer"]):
         self.recipe = recipe
-        self.cfg = recipe.depth_config()
+        self.cfg = recipe.depth
         self.members = members
         self.blocks: list = []
         self.state: dict = {}  # the group codec's fixed decisions (FreqDepthKV: per-head modes)
@@ -76,7 +76,7 @@ class DepthLayer(CompressedLayer):
 
     def view(self) -> EncodedView:
         runs = [(*block.layers[self.index], 0) for block in self.group.blocks]
-        return EncodedView(self.recipe.codec_obj, False, runs, self.generation)
+        return EncodedView(self.recipe.codec, False, runs, self.generation)
 
     def __init__(self, recipe: StoreRecipe, index: int):
         super().__init__(recipe)

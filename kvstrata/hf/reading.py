@@ -60,5 +60,5 @@ def reading(model, cache, spec):
     """Context in which decode steps read as `spec` (a spec string or a parsed MethodSpec) says:
     sparse for a `topk` component, else dense (yields None)."""
     spec = parse_method(spec) if isinstance(spec, str) else spec
-    cfg = spec.full.read_config()
+    cfg = spec.full.read
     return sparse_reading(model, cache, cfg) if cfg else contextlib.nullcontext()

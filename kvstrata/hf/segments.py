@@ -57,7 +57,7 @@ def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor
                    reserve: int = 0) -> Segment:
     """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
     `reserve` spare tokens are allocated for later `append`s."""
-    codec = recipe.codec_obj
+    codec = recipe.codec
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
     if reserve and hasattr(codec, "fits"):
         seg = Segment(*(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)) for x in (kt, values)),
@@ -80,7 +80,7 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
     kcap = next(iter(seg.buffers["keys"].values())).shape[kax] * (group if kax == 3 else 1)
     if seg.length + n > kcap or seg.length % group:
         return False
-    codec = recipe.codec_obj
+    codec = recipe.codec
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
     scales = [q.parts.get("tensor_scale") for q in (seg.keys, seg.values)]
     new = []
@@ -139,12 +139,12 @@ def _views(recipe: StoreRecipe, seg: Segment) -> None:
         parts = {p: (t if p == "tensor_scale" else t.narrow(ax, 0, rows)) for p, t in seg.buffers[name].items()}
         shape = list(q.shape)
         shape[-1 if (name == "keys" and kax == 3) else -2] = seg.length
-        setattr(seg, name, QTensor(q.spec, tuple(shape), q.dtype, parts))
+        setattr(seg, name, QTensor(q.codec, tuple(shape), q.dtype, parts))
 
 
 def decode_segment(recipe: StoreRecipe, seg: Segment, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V."""
-    codec = recipe.codec_obj
+    codec = recipe.codec
     k = codec.decode(seg.keys).to(dtype)
     if recipe.key_axis == "channel":
         k = k.transpose(-1, -2)
@@ -185,4 +185,4 @@ def _narrow(q: QTensor, token_dim: int, start: int, group: int) -> QTensor:
             parts[name] = t.narrow(ndim - 1, blocks, t.shape[ndim - 1] - blocks).clone()
     shape = list(q.shape)
     shape[token_dim] -= start
-    return QTensor(q.spec, tuple(shape), q.dtype, parts)
+    return QTensor(q.codec, tuple(shape), q.dtype, parts)

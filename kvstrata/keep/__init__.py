@@ -1,9 +1,11 @@
-"""Keep stratum: which tokens stay at all. One policy per module, one registry here."""
+"""Keep stratum: which tokens stay at all. One policy per module, one registry line each."""
 
 from kvstrata.keep.base import KeepPolicy
 from kvstrata.keep.snapkv import SnapKV, window_scores
 from kvstrata.keep.streaming import StreamingLLM
+from kvstrata.registry import register
 
-KEEP_POLICIES: dict[str, type] = {p.name: p for p in (StreamingLLM, SnapKV)}
+register(StreamingLLM, "keep")
+register(SnapKV, "keep")
 
-__all__ = ["KEEP_POLICIES", "KeepPolicy", "SnapKV", "StreamingLLM", "window_scores"]
+__all__ = ["KeepPolicy", "SnapKV", "StreamingLLM", "window_scores"]

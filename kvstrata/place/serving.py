@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.codecs import QTensor
+from kvstrata.codecs import QTensor, spec_of
 from kvstrata.hf.cache import CompressedCache, layer_classes
 from kvstrata.hf.run import forward
 from kvstrata.hf.segments import Segment, decode_segment, encode_segment
@@ -38,7 +38,7 @@ def weights_digest(model) -> str:
 
 def pack(recipe: StoreRecipe, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, dict]:
     """Per-layer dense K/V -> record tensors and metadata, encoded with `recipe`."""
-    tensors, meta = {}, {"codec": recipe.codec, "key_axis": recipe.key_axis}
+    tensors, meta = {}, {"codec": spec_of(recipe.codec), "key_axis": recipe.key_axis}
     for i, (k, v) in kv.items():
         seg = encode_segment(recipe, k, v)
         for tag, q in (("k", seg.keys), ("v", seg.values)):
@@ -51,8 +51,8 @@ def pack(recipe: StoreRecipe, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) 
 
 def unpack(recipe: StoreRecipe, tensors: dict, meta: dict, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Record tensors + metadata -> per-layer dense K/V; any inconsistency is a RecordError."""
-    if meta.get("codec") != recipe.codec or meta.get("key_axis") != recipe.key_axis:
-        raise RecordError(f"record codec {meta.get('codec')!r} does not match the method's {recipe.codec!r}")
+    if meta.get("codec") != spec_of(recipe.codec) or meta.get("key_axis") != recipe.key_axis:
+        raise RecordError(f"record codec {meta.get('codec')!r} does not match the method's {spec_of(recipe.codec)!r}")
     try:
         out = {}
         layers = sorted({int(k.split(".")[0]) for k in tensors})

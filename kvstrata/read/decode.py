@@ -73,7 +73,7 @@ def token_rows(q: QTensor, a: int, b: int) -> QTensor:
     """Tokens [a, b) of a `[b, h, tokens, d]` QTensor whose codes and scales are per token (every
     part of 3+ dims has the tokens on dim 2; per-tensor parts stay whole)."""
     parts = {name: (p[:, :, a:b] if p.dim() >= 3 else p) for name, p in q.parts.items()}
-    return QTensor(q.spec, (*q.shape[:2], b - a, *q.shape[3:]), q.dtype, parts)
+    return QTensor(q.codec, (*q.shape[:2], b - a, *q.shape[3:]), q.dtype, parts)
 
 
 def _describe(q: QTensor, codec, channel: bool, skip: int, d: int):
@@ -144,6 +144,7 @@ def decode_attention(query: torch.Tensor, view: EncodedView, tail_k: torch.Tenso
                      fused: bool = True) -> torch.Tensor:
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
     `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those. -> `[b, hq, d]`."""
+    fused = fused and view.codec.name in _KINDS  # a codec the kernels do not know: reference path
     if fused and query.device.type == "cuda":
         from kvstrata.read.kernels import triton_decode  # optional dependency: GPUs only
 

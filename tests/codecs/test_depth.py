@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from kvstrata.codecs import BF16, NVFP4
 from kvstrata.codecs.depth import FreqDepth, _decode, encode_block, probe_mode
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf import CompressedCache
@@ -18,9 +19,9 @@ def test_probe_picks_shared_for_equal_layers_and_exact_for_unrelated():
     torch.manual_seed(0)
     q = torch.randn(4, 1, 8, 16)
     same = torch.randn(1, 1, 1, 40, 16).expand(4, -1, -1, -1, -1).clone()
-    assert probe_mode(same, same, q, CFG, "bf16") == "shared"
+    assert probe_mode(same, same, q, CFG, BF16()) == "shared"
     unrelated = torch.randn(4, 1, 1, 40, 16)
-    assert probe_mode(unrelated, torch.randn(4, 1, 1, 40, 16), q, CFG, "bf16") == "exact"
+    assert probe_mode(unrelated, torch.randn(4, 1, 1, 40, 16), q, CFG, BF16()) == "exact"
 
 
 def test_probe_picks_residual_when_a_few_tokens_differ():
@@ -28,15 +29,15 @@ def test_probe_picks_residual_when_a_few_tokens_differ():
     q = torch.randn(4, 1, 8, 16)
     x = torch.randn(1, 1, 1, 40, 16).expand(4, -1, -1, -1, -1).clone()
     x[2, :, :, 7] = torch.randn(16) * 5  # one token differs in one layer
-    assert probe_mode(x, x.clone(), q, CFG, "bf16") == "residual"
+    assert probe_mode(x, x.clone(), q, CFG, BF16()) == "residual"
 
 
 def test_block_bytes_are_what_is_held():
     k, v = torch.randn(4, 1, 2, 30, 16), torch.randn(4, 1, 2, 30, 16)
-    block = encode_block(k, v, ["shared", "residual"], CFG, "nvfp4", None)
+    block = encode_block(k, v, ["shared", "residual"], CFG, NVFP4(), None)
     tensors = list(block.tensors())
     assert block.nbytes() == sum(t.numel() * t.element_size() for t in tensors) == held_bytes(tensors)
-    exact = encode_block(k, v, ["exact", "exact"], CFG, "bf16", None)
+    exact = encode_block(k, v, ["exact", "exact"], CFG, BF16(), None)
     assert exact.nbytes() == 2 * 4 * 2 * 30 * 16 * 2  # K and V, 4 layers, 2 heads, bf16
     dk, dv = exact.layer(2, 4, torch.float32)
     torch.testing.assert_close(dk, k[2], atol=0.05, rtol=0.01)
@@ -105,7 +106,7 @@ def test_minicache_merged_pair_holds_one_direction():
 
     base = torch.randn(1, 3, 20, 16)
     x = torch.stack([base, 2.5 * base])  # same directions, different magnitudes
-    block = MiniCache(gamma=0.0).encode(x, x, None, "bf16", {})
+    block = MiniCache(gamma=0.0).encode(x, x, None, BF16(), {})
     k0, v1 = block.layer(0, 2, torch.float32)[0], block.layer(1, 2, torch.float32)[1]
     torch.testing.assert_close(k0, x[0], atol=0.02, rtol=0.01)  # one direction shared, magnitudes restored
     torch.testing.assert_close(v1, x[1], atol=0.05, rtol=0.01)
@@ -147,7 +148,7 @@ def test_one_layer_of_a_block_equals_the_whole_reconstruction():
     torch.manual_seed(3)
     k, v = torch.randn(4, 1, 2, 30, 16), torch.randn(4, 1, 2, 30, 16)
     cfg = FreqDepth(g=4, f=2, r=0.2, norm=True)
-    block = encode_block(k, v, ["shared", "residual"], cfg, "bf16", None)
+    block = encode_block(k, v, ["shared", "residual"], cfg, BF16(), None)
     for j in range(4):
         ks = torch.cat([_decode(ek, 4, torch.float32)[j] for ek, _ in block.heads], 1)
         vs = torch.cat([_decode(ev, 4, torch.float32)[j] for _, ev in block.heads], 1)

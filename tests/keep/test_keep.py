@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvstrata.codecs import spec_of
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.run import forward
 from kvstrata.keep import SnapKV, StreamingLLM, window_scores
@@ -49,7 +50,7 @@ def test_bad_keep_params():
     with pytest.raises(ValueError, match="at most one"):
         parse_method("streaming+snapkv")
     m = parse_method("snapkv:keep=0.3+nvfp4")
-    assert m.full.codec == "nvfp4" and m.full.keep == "snapkv:keep=0.3"
+    assert spec_of(m.full.codec) == "nvfp4" and spec_of(m.full.keep) == "snapkv:keep=0.3"
 
 
 def test_keep_everything_equals_the_bf16_store(tiny_llama):

@@ -39,7 +39,7 @@ def _view(spec, shape, seed=0, lengths=(64, 37, 1)):
         runs.append((seg.keys, seg.values, min(5, n - 1) if len(runs) == 0 else 0))
     tail = [torch.randn(b, hk, 2, d, generator=g) for _ in range(2)]
     q = torch.randn(b, hq, 1, d, generator=g)
-    return EncodedView(rec.codec_obj, rec.key_axis == "channel", runs), tail, q
+    return EncodedView(rec.codec, rec.key_axis == "channel", runs), tail, q
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -21,7 +21,7 @@ def test_triton_equals_reference(spec, shape):
     k, v = torch.randn(b, hk, 96, d, generator=g) * 2, torch.randn(b, hk, 96, d, generator=g)
     s1 = encode_segment(rec, k[..., :64, :], v[..., :64, :])
     s2 = encode_segment(rec, k[..., 64:, :], v[..., 64:, :], reserve=32)  # a run with spare rows
-    view = EncodedView(rec.codec_obj, rec.key_axis == "channel", [(s1.keys, s1.values, 5), (s2.keys, s2.values, 0)])
+    view = EncodedView(rec.codec, rec.key_axis == "channel", [(s1.keys, s1.values, 5), (s2.keys, s2.values, 0)])
     tk, tv = torch.randn(b, hk, 3, d, generator=g), torch.randn(b, hk, 3, d, generator=g)
     q = torch.randn(b, hq, 1, d, generator=g)
     ref = decode_attention(q, view, tk, tv, 0.125, fused=False)
