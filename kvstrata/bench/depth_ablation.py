@@ -14,6 +14,8 @@ from pathlib import Path
 from kvstrata.bench.runner import BenchConfig
 from kvstrata.codecs import spec_of
 from kvstrata.codecs.depth import MODES
+from kvstrata.methods import parse_method
+from kvstrata.bench.results import ReportInput, fmt, load_rows, summarise
 
 #: bf16 first (the reference), then forced modes (what sharing alone costs), then the probe's
 #: tolerance, then the best candidates on top of FP4.
@@ -43,8 +45,6 @@ def config(model: str, length: int, n: int, out: Path, methods: tuple[str, ...] 
 
 
 def _knobs(method: str) -> dict:
-    from kvstrata.methods import parse_method
-
     full = parse_method(method).full
     cfg = full.depth
     if cfg is None:
@@ -109,14 +109,12 @@ def plot_modes(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def report_section(out, skip_bad: bool = False) -> str:
+def report_section(given: ReportInput) -> str:
     """The report's ablation section from `out/depth-ablation/results.jsonl` ('' if not run)."""
-    from kvstrata.bench.report import _f, load_rows, summarise
-
-    path = Path(out) / SUBDIR
+    path = given.out / SUBDIR
     if not (path / "results.jsonl").exists():
         return ""
-    rows = load_rows(path, skip_bad)
+    rows = load_rows(path, given.skip_bad)
     lines = ["## FreqDepthKV ablation\n",
              "Each knob of depth sharing on its own, on the benchmark's single-needle and fidelity cells "
              "(`kvstrata depth-ablation --model MODEL --length L --n N --out DIR`). Modes: `shared` keeps only the F "
@@ -133,8 +131,8 @@ def report_section(out, skip_bad: bool = False) -> str:
             k = _knobs(m)
             cells = [f"`{m}`", *("–" if k.get(x) is None else str(k[x]) for x in ("g", "f", "r", "tol")),
                      "yes" if k.get("norm") else "–", k.get("mode", "–"), k["codec"],
-                     _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]), _f(r["per_task"].get("single")),
-                     _f(r["kl"], "{:.4f}"), _f(r["top1"]), _f(r["ppl_change"], "{:+.2%}"),
+                     fmt(r["kv_bytes_per_token"], "{:,.0f}"), fmt(r["compression"]), fmt(r["per_task"].get("single")),
+                     fmt(r["kl"], "{:.4f}"), fmt(r["top1"]), fmt(r["ppl_change"], "{:+.2%}"),
                      _modes([x for x in mine if x["method"] == m])]
             lines.append("| " + " | ".join(cells) + " |")
         png = plot_modes(mine, path / f"head_modes_{model}_{length}.png")
@@ -148,6 +146,6 @@ def report_section(out, skip_bad: bool = False) -> str:
                     found = frontier(pool, ref, slack)
                     lines.append(f"Most compressed {label} with single-needle retrieval within {slack * 100:.0f} "
                                  "point(s) of bf16: " +
-                                 (f"`{found[0]}` at {found[1]['compression']:.2f}× (top-1 {_f(found[1]['top1'])})."
+                                 (f"`{found[0]}` at {found[1]['compression']:.2f}× (top-1 {fmt(found[1]['top1'])})."
                                   if found else "none.") + "\n")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from kvstrata.hf.segments import encode_segment
 from kvstrata.methods import parse_method
 from kvstrata.read.decode import EncodedView, decode_attention, kernel_args
 from kvstrata.read.kernels import cpu
+from kvstrata.bench.results import ReportInput, read_jsonl
 
 # (query heads, KV heads, head_dim) of the real models
 SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}
@@ -155,17 +156,16 @@ def plot(rows: list[dict], out: Path) -> Path:
     return path
 
 
-def report_section(out: Path) -> str:
-    path = out / "kernels" / "kernels.jsonl"
-    if not path.exists():
+def report_section(given: ReportInput) -> str:
+    rows = read_jsonl(given.out / "kernels" / "kernels.jsonl")
+    if not rows:
         return ""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     lines = ["## Decode-attention kernels\n",
              "`kvstrata kernels-bench`: one layer's decode attention (one query token) over a cache of n tokens, "
              "each codec's fused kernel against SDPA over the same cache held in bf16 and in float32; "
              "effective bandwidth = bytes of codes + scales read ÷ time, against a copy of a buffer of "
              "the same size measured in the same run.\n"]
-    if (out / "kernels" / "kernels.png").exists():
+    if (given.out / "kernels" / "kernels.png").exists():
         lines.append("![decode-attention kernels](kernels/kernels.png)\n")
     if not any(r.get("device") == "cuda" for r in rows):
         lines.append("No GPU was available for this run: the Triton kernels were checked for correctness only "

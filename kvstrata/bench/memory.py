@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from kvstrata.models.loader import load_tokenizer
 from kvstrata.text import prose_and_continuation
+from kvstrata.bench.results import ReportInput, read_jsonl
 
 SLACK_MB = 256.0
 
@@ -56,11 +57,10 @@ def run(model: str, tokens: int, methods: list[str], chunks: list[int], out: Pat
     return path
 
 
-def report_section(out: Path) -> str:
-    path = out / "kernels" / "memory.jsonl"
-    if not path.exists():
+def report_section(given: ReportInput) -> str:
+    rows = read_jsonl(given.out / "kernels" / "memory.jsonl")
+    if not rows:
         return ""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     lines = ["## Memory while generating\n",
              f"`kvstrata generate` in its own process on a {rows[0]['context_tokens']:,}-token prompt "
              f"({rows[0]['model']}): peak RSS above the same command on a 5-token prompt, against the bytes the "

@@ -6,93 +6,18 @@ import base64
 import html
 import json
 import re
-from collections import defaultdict
 from pathlib import Path
-from statistics import mean
 
 from kvstrata.bench.peers import compare
-from kvstrata.bench.rows import read_rows
-from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL
+from kvstrata.bench import depth_ablation, kernels, memory, sparse_frontier, speed, v41_prefill
+from kvstrata.bench.results import USABLE, ReportInput, fmt, load_results, summarise
 
 FAMILY_COLOURS = {"reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
                   "eviction+quant": "tab:green", "depth": "tab:purple", "sparse-read": "tab:red", "peer": "tab:gray"}
-USABLE = 0.5  # a task the uncompressed reference scores below this on is not used to rank methods
-
-
-def load_rows(out: Path, skip_bad: bool = False) -> list[dict]:
-    """The rows of `out/results.jsonl`; bad rows refused (`rows.BadRows`) unless `skip_bad`."""
-    return _load(out, skip_bad)[0]
-
-
-def _load(out: Path, skip_bad: bool) -> tuple[list[dict], int]:
-    path = out / "results.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{out} holds no benchmark results ({path.name} is missing): run `kvstrata bench --out {out}` first")
-    return read_rows(path, skip_bad)
-
-
-def _avg(values):
-    values = [v for v in values if v is not None]
-    return mean(values) if values else None
-
-
-def summarise(rows: list[dict]) -> dict:
-    """{(model, length): {"methods": {method: summary}, "usable": {task: bool}, "tasks": [...]}}"""
-    groups = defaultdict(list)
-    for r in rows:
-        if r.get("error"):
-            continue  # a peer's failure: listed by `failures`, not scored
-        groups[(r["model"], r["length"])].append(r)
-    out = {}
-    for key, rs in sorted(groups.items()):
-        tasks = sorted({r["task"] for r in rs}, key=lambda t: (RETRIEVAL + REASONING + FIDELITY).index(t))
-        ref = [r for r in rs if r["method"] == "bf16"]
-        rs = rs + _reference_subsets(rs, ref)
-        usable = {t: (_avg([r["score"] for r in ref if r["task"] == t]) or 0) >= USABLE for t in tasks if t not in FIDELITY}
-        methods = {}
-        names = list(dict.fromkeys(r["method"] for r in rs))
-        # failures are compared over the tasks every method ran (extra methods may skip some)
-        common = set.intersection(*({r["task"] for r in rs if r["method"] == m} for m in names))
-        for m in names:
-            mr = [r for r in rs if r["method"] == m]
-            per_task = {t: _avg([r["score"] for r in mr if r["task"] == t]) for t in tasks}
-            ranked = [per_task[t] for t in tasks if t in RETRIEVAL and usable.get(t)]
-            fid = [r for r in mr if r["task"] in FIDELITY]
-            counts = _counts(mr)
-            methods[m] = {
-                "family": mr[0]["family"],
-                "n": min(counts),
-                "n_max": max(counts),
-                "kv_bytes_per_token": _avg([r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY] or
-                                           [r["kv_bytes_per_token"] for r in mr]),
-                "compression": _avg([r["compression"] for r in mr]),
-                "retrieval": _avg(ranked),
-                "per_task": per_task,
-                "fail_retrieval": sum(r["failure"] == "retrieval" for r in mr if r["task"] in common),
-                "fail_reasoning": sum(r["failure"] == "reasoning" for r in mr if r["task"] in common),
-                "kl": _avg([r.get("kl") for r in fid]),
-                "top1": _avg([r.get("top1") for r in fid]),
-                "ppl_change": _avg([r["ppl"] / r["ref_ppl"] - 1 for r in fid]) if fid else None,
-                "bytes_read_per_step": _avg([r["bytes_read_per_step"] for r in mr if r["task"] not in FIDELITY]),
-                "prefill_s": _avg([r["prefill_s"] for r in mr]),
-                "compress_s": _avg([r["compress_s"] for r in mr]),
-                "decode_s_per_token": _avg([r["decode_s_per_token"] for r in mr]),
-                "peak_rss_mb": max(r["peak_rss_mb"] for r in mr),
-            }
-        out[key] = {"methods": methods, "usable": usable, "tasks": tasks, "n": max(_count(rs, t) for t in tasks),
-                    "common": sorted(common - set(FIDELITY)), "fed": fed_lengths(rs)}
-    return out
-
-
-def fed_lengths(rows: list[dict]) -> dict[str, tuple[int, int]]:
-    """Min and max context tokens actually fed, for question tasks (context only; the question follows)
-    and for fidelity: the lengths the rows ran at, beside the nominal one they are filed under."""
-    out = {}
-    for kind, tasks in (("questions", RETRIEVAL + REASONING), ("fidelity", FIDELITY)):
-        fed = [r["context_tokens"] for r in rows if r["task"] in tasks and "context_tokens" in r]
-        if fed:
-            out[kind] = (min(fed), max(fed))
-    return out
+# The report's sections after the main tables, in order: each takes a ReportInput and returns Markdown
+# ('' when its experiment has not run into this directory).
+SECTIONS = (speed.report_section, kernels.report_section, memory.report_section, compare.report_section,
+            sparse_frontier.report_section, depth_ablation.report_section, v41_prefill.report_section)
 
 
 def _fed_note(fed: dict[str, tuple[int, int]]) -> str:
@@ -103,33 +28,6 @@ def _fed_note(fed: dict[str, tuple[int, int]]) -> str:
     if "fidelity" in fed:
         parts.append(f"{span(*fed['fidelity'])} tokens before the continuation (fidelity)")
     return f"Contexts fed: {'; '.join(parts)}.\n" if parts else ""
-
-
-def _reference_subsets(rs: list[dict], ref: list[dict]) -> list[dict]:
-    """`bf16 (first N)` rows: the reference on the first N instances, for every method run on fewer
-    instances than the reference (instance i is the same context for every method), so such a
-    method is read against the reference on its own instances."""
-    if not ref:
-        return []
-    full = max(_counts(ref))
-    by_method = defaultdict(list)
-    for r in rs:
-        by_method[r["method"]].append(r)
-    fewer = {min(_counts(mr)) for mr in by_method.values()}
-    return [dict(r, method=f"bf16 (first {n})") for n in sorted(k for k in fewer if k < full) for r in ref if r["index"] < n]
-
-
-def _count(rs, task):
-    return len({r["index"] for r in rs if r["task"] == task})
-
-
-def _counts(rs) -> list[int]:
-    """Instances per task, over the tasks `rs` covers."""
-    return [_count(rs, t) for t in {r["task"] for r in rs}]
-
-
-def _f(v, fmt="{:.2f}"):
-    return "–" if v is None else fmt.format(v)
 
 
 def markdown(summary: dict) -> str:
@@ -152,12 +50,12 @@ def markdown(summary: dict) -> str:
         order = sorted(s["methods"].items(), key=lambda kv: -kv[1]["kv_bytes_per_token"])
         for m, r in order:
             n = str(r["n"]) if r["n"] == r["n_max"] else f"{r['n']}–{r['n_max']}"
-            cells = [f"`{m}`", r["family"], n, _f(r["kv_bytes_per_token"], "{:,.0f}"), _f(r["compression"]),
-                     _f(r["retrieval"])]
-            cells += [_f(r["per_task"][t]) for t in tasks]
-            cells += [f"{r['fail_retrieval']} / {r['fail_reasoning']}", _f(r["kl"], "{:.4f}"), _f(r["top1"]),
-                      _f(r["ppl_change"], "{:+.2%}"), _f(r["bytes_read_per_step"], "{:,.0f}"), _f(r["prefill_s"]),
-                      _f(r["decode_s_per_token"], "{:.3f}"), _f(r["peak_rss_mb"], "{:,.0f}")]
+            cells = [f"`{m}`", r["family"], n, fmt(r["kv_bytes_per_token"], "{:,.0f}"), fmt(r["compression"]),
+                     fmt(r["retrieval"])]
+            cells += [fmt(r["per_task"][t]) for t in tasks]
+            cells += [f"{r['fail_retrieval']} / {r['fail_reasoning']}", fmt(r["kl"], "{:.4f}"), fmt(r["top1"]),
+                      fmt(r["ppl_change"], "{:+.2%}"), fmt(r["bytes_read_per_step"], "{:,.0f}"), fmt(r["prefill_s"]),
+                      fmt(r["decode_s_per_token"], "{:.3f}"), fmt(r["peak_rss_mb"], "{:,.0f}")]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -178,7 +76,7 @@ def compact(summary: dict) -> str:
             read = (r["bytes_read_per_step"] / ref["bytes_read_per_step"]
                     if r and ref and r["bytes_read_per_step"] and ref["bytes_read_per_step"] else None)
             cells.append("–" if r is None else
-                         f"{_f(r['compression'])} / {_f(read, '{:.0%}')} / {_f(r['retrieval'])} / {_f(r['top1'])}")
+                         f"{fmt(r['compression'])} / {fmt(read, '{:.0%}')} / {fmt(r['retrieval'])} / {fmt(r['top1'])}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -226,21 +124,16 @@ def plots(summary: dict, out: Path) -> list[Path]:
 def write_report(out: Path, skip_bad: bool = False) -> Path:
     """Write report.md, plot_*.png and report.html into `out`; returns the Markdown path. Bad rows
     of results.jsonl are refused, or with `skip_bad` left out and their number stated."""
-    rows, skipped = _load(out, skip_bad)
+    rows, skipped = load_results(out, skip_bad)
     if not rows:
         raise ValueError(f"{out}/results.jsonl has no rows")
     summary = summarise(rows)
     runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
     meta = runs[-1]
-    from kvstrata.bench import depth_ablation, kernels, memory, sparse_frontier, speed, v41_prefill
-
-    peers = compare.section(summary, rows)
     note = _protocol_note(meta) + (f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n"
                                    if skipped else "")
-    md = ["# kvstrata benchmark report\n", note, markdown(summary), speed.report_section(rows),
-          kernels.report_section(out), memory.report_section(out), peers,
-          sparse_frontier.report_section(rows, out),
-          depth_ablation.report_section(out, skip_bad), v41_prefill.report_section(out)]
+    given = ReportInput(out, rows, summary, skip_bad)
+    md = ["# kvstrata benchmark report\n", note, markdown(summary)] + [section(given) for section in SECTIONS]
     sections = "\n".join(md[2:])
     pngs = plots(summary, out)
     md += [f"![{p.stem}]({p.name})\n" for p in pngs]

@@ -13,6 +13,7 @@ from statistics import mean
 from kvstrata.bench.tasks import RETRIEVAL
 from kvstrata.codecs import spec_of
 from kvstrata.methods import parse_method
+from kvstrata.bench.results import ReportInput
 
 TARGET_READ, TARGET_SLACK, TARGET_LENGTH = 0.10, 0.01, 8192
 
@@ -90,9 +91,10 @@ def plot(key: tuple[str, int], pts: list[dict], out: Path) -> Path:
     return path
 
 
-def report_section(rows: list[dict], out: Path) -> str:
+def report_section(given: ReportInput) -> str:
     """Markdown for the report (empty when no sparse-read rows exist); writes one plot per model/length."""
-    found = points(rows)
+    out = given.out
+    found = points(given.rows)
     if not found:
         return ""
     lines = ["## Sparse reads: bytes read per decode step against retrieval\n",

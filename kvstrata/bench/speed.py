@@ -7,6 +7,7 @@ from collections import defaultdict
 from statistics import mean
 
 from kvstrata.bench.tasks import RETRIEVAL
+from kvstrata.bench.results import ReportInput
 
 REFS = ("dynamic", "bf16")
 
@@ -33,8 +34,8 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-def report_section(rows: list[dict]) -> str:
-    table = ratios(rows)
+def report_section(given: ReportInput) -> str:
+    table = ratios(given.rows)
     if not any("dynamic" in t for t in table.values()):
         return ""
     lines = ["## Decode speed\n",

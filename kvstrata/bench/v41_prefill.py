@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvstrata.models.v41 import V41Cache, V41ForCausalLM, preset
+from kvstrata.bench.results import ReportInput
 
 
 def _timed(model, ids) -> float:
@@ -69,9 +70,10 @@ def _train_lines(path, r: dict) -> list[str]:
             f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | – | {d['final_loss']:.3f} | {d['seconds']:.0f} |", ""]
 
 
-def report_section(out) -> str:
+def report_section(given: ReportInput) -> str:
     """The report's V4.1 section from `out/v41/prefill.json` and every `out/v41/*/train_ref.json`
     (`train-ref` first; '' when none was run into this directory)."""
+    out = given.out
     pre = Path(out) / "v41" / "prefill.json"
     runs = sorted((Path(out) / "v41").glob("*/train_ref.json"), key=lambda p: (p.parent.name != "train-ref", p.parent.name))
     lines = []

@@ -286,12 +286,13 @@ def cmd_depth_similarity(args) -> int:
 def cmd_depth_ablation(args) -> int:
     from kvstrata.bench import depth_ablation
     from kvstrata.bench.report import write_report
+    from kvstrata.bench.results import ReportInput
     from kvstrata.bench.runner import run
 
     methods = _split_methods(args.methods) if args.methods else depth_ablation.GRID
     cfg = depth_ablation.config(args.model, args.length, args.n, Path(args.out), tuple(methods))
     run(cfg)
-    print(depth_ablation.report_section(args.out))
+    print(depth_ablation.report_section(ReportInput(Path(args.out))))
     if (Path(args.out) / "results.jsonl").exists():
         print(f"report: {write_report(Path(args.out))}")
     return 0

@@ -14,7 +14,7 @@ import torch
 
 from kvstrata.codecs.depth import group_queries
 from kvstrata.codecs.qtensor import held_bytes
-from kvstrata.hf.cache import CompressedLayer
+from kvstrata.hf.layers import CompressedLayer
 from kvstrata.methods import StoreRecipe
 from kvstrata.read.decode import EncodedView
 

@@ -122,7 +122,7 @@ def resolve(name_or_path: str) -> Path:
 def load(name_or_path: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) in eval mode; offline only."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     set_threads()
     path = resolve(name_or_path)

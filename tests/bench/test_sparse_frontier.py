@@ -1,7 +1,8 @@
 """The sparse-read frontier section and the report's same-instance reference rows, on hand-made rows."""
 
 from kvstrata.bench import sparse_frontier
-from kvstrata.bench.report import markdown, summarise
+from kvstrata.bench.report import markdown
+from kvstrata.bench.results import ReportInput, summarise
 
 
 def row(method, index, score, read, task="single", family=None, length=8192):
@@ -22,7 +23,7 @@ def test_points_compare_on_the_same_instances_and_find_the_frontier(tmp_path):
     assert pts["topk:k=512,schedule=F1"]["read"] == 0.2 and pts["topk:k=512,schedule=F1"]["n"] == 3
     assert pts["topk:k=64,schedule=F1,indexer=lowrank,rank=16"]["indexer"] == "lowrank r=16"
     assert [m for m, p in pts.items() if p["frontier"]] == ["topk:k=64,schedule=F1,indexer=lowrank,rank=16"]
-    md = sparse_frontier.report_section(ROWS, tmp_path)
+    md = sparse_frontier.report_section(ReportInput(tmp_path, ROWS))
     assert "target met: `topk:k=64,schedule=F1,indexer=lowrank,rank=16` (8.0% read)" in md
     assert (tmp_path / "sparse_m_8192.png").stat().st_size > 1000
 
@@ -32,7 +33,7 @@ def test_verdict_names_the_least_read_within_one_point_when_the_target_is_missed
     pts = sparse_frontier.points(rows)[("m", 8192)]
     assert sparse_frontier.verdict(pts, 8192) == \
         "target not met: the least read within 1 point of bf16 is `topk:k=512,schedule=F1` at 20.0%."
-    assert sparse_frontier.report_section([r for r in ROWS if r["method"] == "bf16"], None) == ""
+    assert sparse_frontier.report_section(ReportInput(None, [r for r in ROWS if r["method"] == "bf16"])) == ""
 
 
 def test_methods_on_fewer_instances_get_the_reference_on_those_instances():

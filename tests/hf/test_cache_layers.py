@@ -5,7 +5,7 @@ import torch
 
 from kvstrata.codecs import get_codec
 from kvstrata.hf import CompressedCache
-from kvstrata.hf.cache import CompressedLayer, CompressedSlidingLayer
+from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer
 from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
 

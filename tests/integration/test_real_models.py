@@ -1,7 +1,6 @@
 """Real models, offline: a 4,000-token passkey through `generate` with FP4 caches, bytes hand-counted."""
 
 import pytest
-import torch
 
 from kvstrata.bench.passkey import passkey_prompt
 from kvstrata.hf.run import PREFILL_CHUNK, generate

@@ -5,6 +5,7 @@ import json
 
 from safetensors import safe_open
 
+from kvstrata.bench.results import ReportInput
 from kvstrata.bench.v41_prefill import report_section
 from kvstrata.cli import main
 from kvstrata.models.v41 import V41ForCausalLM
@@ -33,7 +34,7 @@ def test_recall_batches_ask_each_key_once():
 def test_train_ref_command_saves_both_models(tmp_path):
     out = tmp_path / "v41" / "train-ref"
     assert main(["train-ref", "--steps", "2", "--batch", "4", "--seq-len", "64", "--pairs", "4", "--eval-sequences", "8", "--out", str(out)]) == 0
-    section = report_section(tmp_path)
+    section = report_section(ReportInput(tmp_path))
     assert "--steps 2" in section and "| V4.1 (CSA2 + CED) |" in section and "| dense transformer |" in section
     tmp_path = out
     r = json.loads((tmp_path / "train_ref.json").read_text())
@@ -53,7 +54,7 @@ def test_train_ref_override_reaches_both_models_and_bad_json_is_refused(tmp_path
     assert main([*args, "--override", '{"sliding_window": 16}']) == 0
     assert V41ForCausalLM.from_pretrained(out / "v41").config.sliding_window == 16
     assert json.loads((out / "train_ref.json").read_text())["config"]["overrides"] == {"sliding_window": 16}
-    section = report_section(tmp_path)  # every run under DIR/v41 is reported, with the command that made it
+    section = report_section(ReportInput(tmp_path))  # every run under DIR/v41 is reported, with the command that made it
     assert "overrides sliding_window" in section and """--override '{"sliding_window": 16}' --out DIR/v41/window16""" in section
     for bad, words in (("{sliding", "not valid JSON"), ("[1]", "JSON object"), ('{"nosuch": 1}', "unknown V41Config fields nosuch")):
         assert main([*args, "--override", bad]) == 2

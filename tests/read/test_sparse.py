@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvstrata.hf import CompressedCache
-from kvstrata.hf.cache import CompressedLayer
+from kvstrata.hf.layers import CompressedLayer
 from kvstrata.hf.run import forward, generate
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer

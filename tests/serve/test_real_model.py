@@ -20,6 +20,7 @@ def test_smollm2_chat_round_trip_hits_on_the_second_turn(tmp_path):
         oa = client(server)
         messages = [{"role": "system", "content": "You answer in one short sentence. " * 4},
                     {"role": "user", "content": "What is the capital of France?"}]
+        first = 0
         for turn in range(2):
             got = oa.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
             answer = got.choices[0].message.content

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvstrata.bench.tasks import FIDELITY
+from kvstrata.bench.results import ReportInput
 
 #: bytes per token as a share of bf16's, bucketed so that rows of similar cost meet
 TIERS = (("≈ 1/2 of bf16", 0.42, 0.70), ("≈ 1/3 of bf16", 0.30, 0.42), ("≈ 1/4 of bf16", 0.22, 0.30),
@@ -112,8 +113,9 @@ def masked(rows: list[dict]) -> str:
                    "memory, so it is listed at the bytes it holds.\n" for m, v in sorted(share.items()))
 
 
-def section(summary: dict, rows: list[dict]) -> str:
+def report_section(given: ReportInput) -> str:
     """The whole peers section of report.md ('' when no peer ran)."""
+    summary, rows = given.summary, given.rows
     peer_rows = [r for r in rows if r.get("family") == "peer"]
     if not peer_rows:
         return ""

@@ -1,0 +1,240 @@
+"""The per-layer cache storage: `CompressedLayer` (full attention) and `CompressedSlidingLayer`,
+each a transformers `CacheLayerMixin` that stores K/V through a kvstrata codec.
+
+The newest `r` tokens stay in full precision (KIVI residual); older ones are encoded in segments.
+Sliding-window layers keep only their window. `nbytes()` counts the storage actually held.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from kvstrata.codecs.qtensor import held_bytes
+from kvstrata.hf.segments import APPEND_ROWS, COMPACT_ROWS, Segment, append, decode_segment, drop_front, encode_segment, shrink
+from kvstrata.methods import StoreRecipe
+from kvstrata.read.decode import EncodedView
+
+
+class CompressedLayer(CacheLayerMixin):
+    """Full-attention layer: encoded segments + a full-precision tail of the newest tokens."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+    reads_views = True  # a decode step can attend straight from the encoded segments
+
+    def __init__(self, recipe: StoreRecipe, **kwargs):
+        super().__init__()
+        self.recipe = recipe
+        self.segments: list[Segment] = []
+        self.cumulative_length = 0
+        self.known_until = 0  # positions below this are already held (bounded replay): not appended again
+        self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
+        self.read_prefix = (0, 0)  # (generation, n): the last update's K/V began with n rows from encoded storage
+        self.fused_read = False  # set by the cache when the model's attention takes encoded views
+        self.offered: EncodedView | None = None  # the last decode step's encoded part, for attention
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :].clone()  # the full-precision tail
+        self.values = value_states[..., :0, :].clone()
+        self.is_initialized = True
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything held, decoded: `[batch, kv_heads, stored_tokens, head_dim]` K and V."""
+        ks, vs = [], []
+        for seg in self.segments:
+            k, v = decode_segment(self.recipe, seg, self.dtype)
+            ks.append(k)
+            vs.append(v)
+        return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
+
+    def view(self) -> EncodedView:
+        """The encoded segments as they are now (later appends do not change it)."""
+        runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
+        return EncodedView(self.recipe.codec, self.recipe.key_axis == "channel", runs, self.generation)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
+        decode step whose attention reads encoded views, only the full-precision tail + the new
+        tokens, with the encoded part left in `offered` (no dense copy is made)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        first = self.cumulative_length == 0
+        fused = self.fused_read and self.reads_views and key_states.shape[-2] == 1 and not first
+        if fused:
+            view, past_k, past_v = self.view(), self.keys, self.values
+            self.read_prefix = (self.generation, view.tokens)
+        else:
+            past_k, past_v = self.dense()
+            self.read_prefix = (self.generation, past_k.shape[-2] - self.keys.shape[-2])
+        skip = self._known(key_states.shape[-2])
+        self.cumulative_length += key_states.shape[-2]
+        key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if first:  # the context prefill: the keep policy acts once, after it
+            self._keep(scores=None)
+        self._trim()  # first, so tokens already out of a sliding window are never encoded
+        self._flush()
+        self.offered = view if fused else None
+        # New tokens are attended in full precision now; later steps read them encoded.
+        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+
+    def load_prefill(self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores: torch.Tensor | None = None):
+        """Fill an empty layer from a prefilled context: `keys, values: [batch, kv_heads, n, head_dim]`
+        (what a dense cache holds after `seen` tokens), `scores: [batch, kv_heads, n]` for keep
+        policies that need attention. Equivalent to `update` with the whole context."""
+        if self.cumulative_length:
+            raise RuntimeError("load_prefill needs an empty layer")
+        self.lazy_initialization(keys, values)
+        self.generation += 1
+        self.cumulative_length = seen
+        self.keys, self.values = keys, values
+        self._keep(scores)
+        self._trim()  # first, so tokens already out of a sliding window are never encoded
+        self._flush()
+
+    def _keep(self, scores: torch.Tensor | None) -> None:
+        """Apply the recipe's keep policy to the tail (full-attention layers only)."""
+        policy = self.recipe.keep
+        if policy is None or self.is_sliding:
+            return
+        if policy.needs_scores and scores is None:
+            raise ValueError(
+                f"{policy.name} needs observation-window attention scores; fill the cache with "
+                "kvstrata.bench.protocol (prefill + load_prefill) instead of a plain forward"
+            )
+        idx = policy.select(self.keys, scores)[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, idx)
+        self.values = self.values.gather(2, idx)
+
+    def _flush(self) -> None:
+        """Encode all but the newest `r` tail tokens, in whole key groups."""
+        group = self.recipe.key_group
+        n = self.keys.shape[-2] - self.recipe.r
+        n -= n % group
+        if n <= 0:
+            return
+        k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        if not (self.segments and append(self.recipe, self.segments[-1], k, v)):
+            # the first segment (the prefill) is exact; later small flushes reserve rows to append to
+            rows = max(APPEND_ROWS, 4 * group)
+            reserve = rows - n if self.segments and n < rows else 0
+            self.segments.append(encode_segment(self.recipe, k, v, reserve))
+        self.keys = self.keys[..., n:, :].clone()
+        self.values = self.values[..., n:, :].clone()
+
+    def _trim(self) -> None:
+        """Full-attention layers keep everything."""
+
+    def stored_tokens(self) -> int:
+        return sum(s.visible for s in self.segments) + (self.keys.shape[-2] if self.is_initialized else 0)
+
+    def row_bytes(self, tokens: int = 256) -> tuple[float, float]:
+        """Bytes one token's K row and V row take per KV head once encoded (averaged over a chunk)."""
+        d = self.keys.shape[-1] if self.is_initialized else 0
+        z = torch.zeros(1, 1, tokens, d)
+        seg = encode_segment(self.recipe, z, z)
+        return held_bytes(seg.keys.parts.values()) / tokens, held_bytes(seg.values.parts.values()) / tokens
+
+    def nbytes(self) -> int:
+        """Bytes held: encoded segments (codes, scales) plus the full-precision tail."""
+        if not self.is_initialized:
+            return 0
+        tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
+        return held_bytes(tensors)
+
+    def shrink(self) -> None:
+        """Free the rows reserved for appends and the hidden rows a sliding window dropped (what
+        `nbytes` counts is then exactly the tokens held, up to whole key groups)."""
+        if self.segments and self.segments[0].skip:
+            self.segments[0] = drop_front(self.recipe, self.segments[0], 0)
+        for seg in self.segments:
+            shrink(seg)
+
+    def _known(self, n: int) -> int:
+        """How many of the next `n` tokens are already held (replayed positions)."""
+        return max(0, min(n, self.known_until - self.cumulative_length))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Held entries sit just before the queries (evicted or windowed-out tokens shift them right),
+        # so causality among new tokens holds while positions (RoPE) continue from the full length.
+        # During a replay the held entries are exactly positions [0, stored): offset 0.
+        stored = self.stored_tokens()
+        skip = self._known(query_length)
+        return stored + query_length - skip, max(0, self.cumulative_length + skip - stored)
+
+    def start_replay(self, position: int) -> None:
+        """Bounded replay: this layer holds (or will rebuild) its tokens; positions from `position`
+        are fed again. Full layers keep what they hold and do not append the replayed tokens;
+        sliding layers start empty and rebuild their window from the replayed tokens."""
+        if not self.is_sliding:
+            self.known_until = self.cumulative_length
+        self.cumulative_length = position
+        self.generation += 1
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.segments = []
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self.generation += 1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("CompressedCache cannot be cropped: encoded tokens cannot be rolled back exactly")
+
+    def _map_batch(self, fn) -> None:
+        self.generation += 1
+        for seg in self.segments:
+            for q in (seg.keys, seg.values):
+                q.parts = {k: (t if k == "tensor_scale" else fn(t)) for k, t in q.parts.items()}
+            seg.buffers = {}  # the parts are new tensors now: nothing to append into
+        if self.is_initialized:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
+
+
+class CompressedSlidingLayer(CompressedLayer):
+    """Sliding-window layer: keeps only the newest `sliding_window - 1` tokens (as transformers does).
+    Keep policies do not apply here: the window already bounds what is held."""
+
+    is_sliding = True
+
+    def __init__(self, recipe: StoreRecipe, sliding_window: int, **kwargs):
+        super().__init__(recipe)
+        self.sliding_window = sliding_window
+
+    def _trim(self) -> None:
+        excess = self.stored_tokens() - (self.sliding_window - 1)
+        if excess > 0 and self.segments:
+            self.generation += 1
+        while excess > 0 and self.segments:
+            seg = self.segments[0]
+            kept = drop_front(self.recipe, seg, excess, COMPACT_ROWS)
+            excess -= seg.visible - (kept.visible if kept else 0)
+            if kept is None:
+                self.segments.pop(0)
+            else:
+                self.segments[0] = kept
+        if excess > 0:  # the tail itself is longer than the window
+            self.keys = self.keys[..., excess:, :].clone()
+            self.values = self.values[..., excess:, :].clone()
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
