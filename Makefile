@@ -1,10 +1,11 @@
-# kvstrata: `make demo` runs the main job, `make test` the whole test suite. Both set up .venv first.
+# kvstrata: `make demo` runs the main job, `make test` lints (ruff) and runs the whole test suite. Both set up
+# .venv first.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvstrata-installed
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo lint test test-fast clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +22,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check kvstrata tests
+
+test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

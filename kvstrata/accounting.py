@@ -32,45 +32,70 @@ def account_hf(config, method: str, tokens: int, dtype: torch.dtype = torch.floa
         scores.append(torch.ones(1, heads, held) if cls == "full" else None)
     cache.load_prefill(layers, scores)
     rows = []
-    for i, ((cls, window), layer, n) in enumerate(zip(layer_classes(config), cache.layers, cache.nbytes()["layers"])):
-        rows.append({"layer": i, "class": cls, "window": window, "recipe": _recipe_text(layer.recipe),
-                     "held_tokens": layer.stored_tokens(), "bytes": n, "bytes_per_token": n / tokens})
+    for i, ((cls, window), layer, n) in enumerate(
+        zip(layer_classes(config), cache.layers, cache.nbytes()["layers"])
+    ):
+        rows.append(
+            {
+                "layer": i, "class": cls, "window": window, "recipe": _recipe_text(layer.recipe),
+                "held_tokens": layer.stored_tokens(), "bytes": n, "bytes_per_token": n / tokens,
+            }
+        )
     total = sum(r["bytes"] for r in rows)
     ref = bf16_bytes_per_token(config, tokens)
-    return {"method": str(spec), "tokens": tokens, "layers": rows, "total_bytes": total,
-            "bytes_per_token": total / tokens, "bf16_bytes_per_token": ref, "compression_vs_bf16": ref / (total / tokens)}
+    return {
+        "method": str(spec), "tokens": tokens, "layers": rows, "total_bytes": total,
+        "bytes_per_token": total / tokens, "bf16_bytes_per_token": ref,
+        "compression_vs_bf16": ref / (total / tokens),
+    }
 
 
 def _recipe_text(recipe) -> str:
-    parts = [spec_of(recipe.codec)] + ([f"keep {spec_of(recipe.keep)}"] if recipe.keep else []) + ([f"r={recipe.r}"] if recipe.r else [])
+    parts = (
+        [spec_of(recipe.codec)]
+        + ([f"keep {spec_of(recipe.keep)}"] if recipe.keep else [])
+        + ([f"r={recipe.r}"] if recipe.r else [])
+    )
     return " ".join(parts)
 
 
 def format_v41(report: dict, plan) -> str:
-    lines = [f"{'layer':>5} {'mode':<8} {'source':>6} {'m':>3} {'global B/tok':>13} {'index B/tok':>12} {'SWA B/seq':>10}"]
+    lines = [
+        f"{'layer':>5} {'mode':<8} {'source':>6} {'m':>3} {'global B/tok':>13} {'index B/tok':>12} "
+        f"{'SWA B/seq':>10}"
+    ]
     for p in plan:
-        lines.append(f"{p.layer:>5} {p.mode:<8} {'' if p.source is None else p.source:>6} {p.m:>3} "
-                     f"{p.global_bytes_per_token:>13,.1f} {p.index_bytes_per_token:>12,.1f} {p.swa_bytes:>10,}")
+        lines.append(
+            f"{p.layer:>5} {p.mode:<8} {'' if p.source is None else p.source:>6} {p.m:>3} "
+            f"{p.global_bytes_per_token:>13,.1f} {p.index_bytes_per_token:>12,.1f} {p.swa_bytes:>10,}"
+        )
     b = report["baseline"]
     lines += [
         "",
         f"main entry {report['main_entry_bytes']} B, index key {report['index_key_bytes']} B",
-        f"global KV: {report['global_kv_bytes_per_token']:,.1f} B/token "
-        f"({b['preset']}: {b['global_kv_bytes_per_token']:,.1f}; ratio {report['global_ratio_to_baseline']:.3f} "
-        f"= 1/{1 / report['global_ratio_to_baseline']:.2f})",
+        f"global KV: {report['global_kv_bytes_per_token']:,.1f} B/token ({b['preset']}: "
+        f"{b['global_kv_bytes_per_token']:,.1f}; ratio {report['global_ratio_to_baseline']:.3f} = "
+        f"1/{1 / report['global_ratio_to_baseline']:.2f})",
         f"persistent: {report['persistent_bytes_per_token']:,.1f} B/token, SWA not persisted "
-        f"({b['preset']}: {b['persistent_bytes_per_token']:,.1f}; ratio {report['persistent_ratio_to_baseline']:.3f} "
-        f"= 1/{1 / report['persistent_ratio_to_baseline']:.2f})",
+        f"({b['preset']}: {b['persistent_bytes_per_token']:,.1f}; ratio "
+        f"{report['persistent_ratio_to_baseline']:.3f} = "
+        f"1/{1 / report['persistent_ratio_to_baseline']:.2f})",
     ] + [f"note: {n}" for n in b["notes"]]
     return "\n".join(lines)
 
 
 def format_hf(report: dict, model: str) -> str:
-    lines = [f"{model} with {report['method']} after {report['tokens']} tokens",
-             f"{'layer':>5} {'class':<8} {'recipe':<28} {'held':>7} {'bytes':>12} {'B/token':>9}"]
+    lines = [
+        f"{model} with {report['method']} after {report['tokens']} tokens",
+        f"{'layer':>5} {'class':<8} {'recipe':<28} {'held':>7} {'bytes':>12} {'B/token':>9}",
+    ]
     for r in report["layers"]:
-        lines.append(f"{r['layer']:>5} {r['class']:<8} {r['recipe']:<28} {r['held_tokens']:>7} {r['bytes']:>12,} "
-                     f"{r['bytes_per_token']:>9,.1f}")
-    lines.append(f"total {report['total_bytes']:,} B = {report['bytes_per_token']:,.1f} B/token; bf16 "
-                 f"{report['bf16_bytes_per_token']:,.1f} B/token ({report['compression_vs_bf16']:.2f}x smaller)")
+        lines.append(
+            f"{r['layer']:>5} {r['class']:<8} {r['recipe']:<28} {r['held_tokens']:>7} {r['bytes']:>12,} "
+            f"{r['bytes_per_token']:>9,.1f}"
+        )
+    lines.append(
+        f"total {report['total_bytes']:,} B = {report['bytes_per_token']:,.1f} B/token; bf16 "
+        f"{report['bf16_bytes_per_token']:,.1f} B/token ({report['compression_vs_bf16']:.2f}x smaller)"
+    )
     return "\n".join(lines)

@@ -15,8 +15,9 @@ spec holds config instances; text is rendered back from them only at the edges (
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 
+from kvstrata import registry
 from kvstrata.codecs import BF16, Codec, build, coerce_params, split_spec
 from kvstrata.keep import KeepPolicy
 from kvstrata.read import TopK
@@ -99,22 +100,33 @@ def _parse_recipe(text: str) -> StoreRecipe:
         raise ValueError(f"empty component in {text!r}")
     parsed = [_parse_component(p) for p in parts]
     stores = [r for r in parsed if isinstance(r, StoreRecipe)]
-    keeps, depths, reads = ([r[1] for r in parsed if isinstance(r, tuple) and r[0] == s] for s in ("keep", "depth", "read"))
-    for what, found in (("element codecs", stores), ("keep policies", keeps), ("depth-sharing methods", depths),
-                        ("read methods", reads)):
+    keeps, depths, reads = ([r[1] for r in parsed if isinstance(r, tuple) and r[0] == s]
+                            for s in ("keep", "depth", "read"))
+    for what, found in (
+        ("element codecs", stores), ("keep policies", keeps), ("depth-sharing methods", depths),
+        ("read methods", reads),
+    ):
         if len(found) > 1:
             raise ValueError(f"{text!r} combines {len(found)} {what}; a recipe takes at most one")
     store = stores[0] if stores else StoreRecipe()
     if depths and store.key_axis == "channel":
         store = replace(store, key_axis="token")  # depth blocks group tokens themselves
-    return replace(store, keep=keeps[0] if keeps else None, depth=depths[0] if depths else None,
-                   read=reads[0] if reads else None)
+    return replace(
+        store, keep=keeps[0] if keeps else None, depth=depths[0] if depths else None,
+        read=reads[0] if reads else None,
+    )
 
 
 def parse_method(text: str) -> MethodSpec:
-    """Parse a method spec string; raises ValueError naming what is wrong."""
+    """Parse a method spec string; raises ValueError naming what is wrong. Specs are immutable, so
+    each text is parsed once (per registry state) and the same MethodSpec is handed out again."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("method spec is empty")
+    return _parse(text, registry.generation())
+
+
+@lru_cache(maxsize=1024)
+def _parse(text: str, generation: int) -> MethodSpec:
     chunks = [c.strip() for c in text.split(";")]
     base = _parse_recipe(chunks[0])
     per_class = {"full": base, "sliding": base}

@@ -53,7 +53,8 @@ def register(cls: type, stratum: str, *, defaults=None, tolerance: Tolerance | N
     if stratum not in STRATA:
         raise ValueError(f"stratum must be one of {', '.join(STRATA)}, got {stratum!r}")
     if cls.name in REGISTRY and REGISTRY[cls.name].cls is not cls:
-        raise ValueError(f"method name {cls.name!r} is already registered by {REGISTRY[cls.name].cls.__name__}")
+        raise ValueError(f"method name {cls.name!r} is already registered by "
+                         f"{REGISTRY[cls.name].cls.__name__}")
     if stratum == "store":
         defaults = defaults if defaults is not None else PLAIN
         if tolerance is None:

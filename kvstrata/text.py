@@ -26,8 +26,11 @@ class TextShortfall(ValueError):
 
 
 def natural_paragraphs(seed: int = 0) -> list[str]:
-    """Paragraphs of real English prose from the standard library's `pydoc_data.topics`, shuffled by `seed`."""
-    from pydoc_data.topics import topics
+    """Paragraphs of real English prose from the standard library's `pydoc_data.topics`, shuffled by
+    `seed`."""
+    from pydoc_data.topics import (
+        topics,  # about a megabyte of text, loaded only when natural prose is asked for
+    )
 
     paras = []
     for key in sorted(topics):
@@ -40,7 +43,8 @@ def natural_paragraphs(seed: int = 0) -> list[str]:
 
 
 def units(kind: str, seed: int = 0) -> list[str]:
-    """The pieces a haystack repeats, in order: the noise sentences, or paragraphs each ending in a newline."""
+    """The pieces a haystack repeats, in order: the noise sentences, or paragraphs each ending in a
+    newline."""
     if kind == "noise":
         return [NOISE]
     if kind == "natural":
@@ -128,7 +132,8 @@ def prose_and_continuation(tokenizer, n_tokens: int, n_next: int, seed: int = 0)
 
 
 def natural_ids(tokenizer, n_tokens: int, seed: int = 0) -> list[int]:
-    """Exactly `n_tokens` token ids of natural prose as a model is fed them (the tokenizer's special tokens first)."""
+    """Exactly `n_tokens` token ids of natural prose as a model is fed them (the tokenizer's special
+    tokens first)."""
     joined = "".join(long_enough(tokenizer, units("natural", seed), n_tokens))
     ids = tokenizer(joined).input_ids[:n_tokens]
     if len(ids) != n_tokens:

@@ -21,9 +21,15 @@ def read_text_file(path: str | Path, what: str, max_bytes: int) -> str:
     except OSError as exc:
         raise ValueError(f"{what}: cannot open {path}: {exc.strerror or exc}") from None
     st = os.fstat(fd)
-    problem = ("is a directory, not a file" if stat.S_ISDIR(st.st_mode) else
-               "is not a regular file" if not stat.S_ISREG(st.st_mode) else
-               f"is {st.st_size:,} bytes, more than the {max_bytes:,} allowed" if st.st_size > max_bytes else None)
+    problem = (
+        "is a directory, not a file"
+        if stat.S_ISDIR(st.st_mode)
+        else "is not a regular file"
+        if not stat.S_ISREG(st.st_mode)
+        else f"is {st.st_size:,} bytes, more than the {max_bytes:,} allowed"
+        if st.st_size > max_bytes
+        else None
+    )
     if problem:
         os.close(fd)
         raise ValueError(f"{what}: {path} {problem}")

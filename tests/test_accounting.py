@@ -29,7 +29,8 @@ def test_v41_layer_modes_and_sources():
     assert plan[5].source == 2 and plan[13].source == 8 and plan[19].source == 14
     assert all(p.source == 20 for p in plan[21:])
     # only Full layers store global KV: 3 encoder sources at m=2 and one decoder source at m=1
-    assert [p.global_bytes_per_token + p.index_bytes_per_token for p in plan if p.mode == "full"] == [178, 178, 178, 356]
+    assert [p.global_bytes_per_token + p.index_bytes_per_token for p in plan if p.mode ==
+        "full"] == [178, 178, 178, 356]
 
 
 def test_v4_flash_shape_from_transformers():
@@ -37,7 +38,9 @@ def test_v4_flash_shape_from_transformers():
     assert v4.layers == 43 and set(zip(v4.modes, v4.m)) == {("csa", 4), ("hca", 128)}
 
 
-@pytest.mark.parametrize("spec", ["bf16", "nvfp4", "mxfp4:r=5", "int2:group=8,r=3", "fp8;full=nvfp4", "streaming:keep=0.5+fp8"])
+@pytest.mark.parametrize(
+    "spec", ["bf16", "nvfp4", "mxfp4:r=5", "int2:group=8,r=3", "fp8;full=nvfp4", "streaming:keep=0.5+fp8"]
+)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_hf_accounting_equals_allocated_bytes(spec, arch, tiny_llama, tiny_gemma):
     model = tiny_llama if arch == "llama" else tiny_gemma

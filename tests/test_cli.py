@@ -13,7 +13,8 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_generate_json(tiny_dir, capsys):
-    assert main(["generate", "--model", tiny_dir, "--method", "mxfp4", "--prompt", "hello there", "--max-new-tokens", "4", "--json"]) == 0
+    assert main(["generate", "--model", tiny_dir, "--method", "mxfp4", "--prompt",
+                "hello there", "--max-new-tokens", "4", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     for key in ("text", "method", "model", "context_tokens", "kv_bytes_per_token", "kv_bytes_per_token_bf16"):
         assert key in row
@@ -30,7 +31,8 @@ def test_generate_text_and_prompt_file(tiny_dir, tmp_path, capsys):
 
 
 def test_generate_profile_lists_time_then_kvstrata_by_total(tiny_dir, capsys):
-    argv = ["generate", "--model", tiny_dir, "--method", "nvfp4+topk:k=4,window=2", "--prompt", "hello there " * 8,
+    argv = ["generate", "--model", tiny_dir, "--method", "nvfp4+topk:k=4,window=2", "--prompt", "hello there "
+                                                                                                "" * 8,
             "--max-new-tokens", "3", "--profile", "5"]
     assert main(argv) == 0
     err = capsys.readouterr().err

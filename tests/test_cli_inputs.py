@@ -37,17 +37,24 @@ def p(tmp_path_factory):
         "share": "swa_ram_share = 2", "root": f"root = '{files['notastore']}'",
     }.items():
         files[name] = d / f"{name}.toml"
-        files[name].write_text(f"[store]\nroot = '{d / 'store'}'\n{body}\n" if name != "root" else f"[store]\n{body}\n")
+        root = f"root = '{d / 'store'}'\n" if name != "root" else ""
+        files[name].write_text(f"[store]\n{root}{body}\n")
     files["badrows"] = d / "rows"
     files["badrows"].mkdir()
-    (files["badrows"] / "results.jsonl").write_text('{"model": "m", "length": 2048, "task": "single", "ind\n[1, 2]\n')
+    bad = '{"model": "m", "length": 2048, "task": "single", "ind\n[1, 2]\n'
+    (files["badrows"] / "results.jsonl").write_text(bad)
     return {k: str(v) for k, v in files.items()}
 
 
 GEN = ["generate", "--model", "{llama}"]
+PAST = "exceeds the model's context"
+SERVE = ["serve", "--model", "{llama}"]
+PASSKEY = ["passkey", "--model", "{llama}"]
+SERVE_BENCH = ["serve-bench", "--model", "{llama}"]
 CASES = [
     ("topk F0", [*GEN, "--prompt", "hi", "--method", "topk:schedule=F0"], "schedule count"),
-    ("topk huge schedule", [*GEN, "--prompt", "hi", "--method", "topk:schedule=F1U2000000000"], "schedule count"),
+    ("topk huge schedule", [*GEN, "--prompt", "hi", "--method", "topk:schedule=F1U2000000000"],
+     "schedule count"),
     ("topk k=0", [*GEN, "--prompt", "hi", "--method", "topk:k=0"], "topk: need 1 <= k"),
     ("topk rank", [*GEN, "--prompt", "hi", "--method", "topk:rank=1600000000"], "rank must be"),
     ("int4 group", [*GEN, "--prompt", "hi", "--method", "int4:group=1000000000"], "group must be"),
@@ -58,37 +65,42 @@ CASES = [
     ("depth g", [*GEN, "--prompt", "hi", "--method", "depth:g=100000000"], "depth: need 2 <= g"),
     ("snapkv pool", [*GEN, "--prompt", "hi", "--method", "snapkv:pool=1001"], "pool"),
     ("streaming sinks", [*GEN, "--prompt", "hi", "--method", "streaming:sinks=-1"], "sinks"),
-    ("class twice", [*GEN, "--prompt", "hi", "--method", "nvfp4;sliding=fp8;sliding=int4"], "'sliding' given twice"),
+    ("class twice", [*GEN, "--prompt", "hi", "--method", "nvfp4;sliding=fp8;sliding=int4"],
+     "'sliding' given twice"),
     ("unknown method", [*GEN, "--prompt", "hi", "--method", "fp5"], "unknown method 'fp5'"),
     ("empty method", [*GEN, "--prompt", "hi", "--method", " "], "argument --method: must not be empty"),
     ("prompt-file dir", [*GEN, "--prompt-file", "{dir}"], "--prompt-file: {dir} is a directory"),
-    ("prompt-file /dev/zero", [*GEN, "--prompt-file", "/dev/zero"], "--prompt-file: /dev/zero is not a regular file"),
+    ("prompt-file /dev/zero", [*GEN, "--prompt-file", "/dev/zero"],
+     "--prompt-file: /dev/zero is not a regular file"),
     ("prompt-file fifo", [*GEN, "--prompt-file", "{fifo}"], "is not a regular file"),
     ("prompt-file binary", [*GEN, "--prompt-file", "{binary}"], "not valid UTF-8"),
     ("prompt-file missing", [*GEN, "--prompt-file", "{dir}/nope.txt"], "does not exist"),
     ("prompt-file blank", [*GEN, "--prompt-file", "{blank}"], "--prompt-file: the prompt is empty"),
     ("empty prompt", [*GEN, "--prompt", ""], "argument --prompt: must not be empty"),
-    ("huge max-new-tokens", [*GEN, "--prompt", "hi", "--max-new-tokens", "999999999999999999999"], "--max-new-tokens"),
+    ("huge max-new-tokens", [*GEN, "--prompt", "hi", "--max-new-tokens", "9" * 21], "--max-new-tokens"),
     ("negative max-new-tokens", [*GEN, "--prompt", "hi", "--max-new-tokens", "-3"], "--max-new-tokens"),
-    ("max-new-tokens past context", [*GEN, "--prompt", "hi", "--max-new-tokens", "16383"], "exceeds the model's context"),
-    ("prompt past context", [*GEN, "--prompt", "hi " * 20000, "--max-new-tokens", "2"], "exceeds the model's context"),
-    ("passkey tokens -5", ["passkey", "--model", "{llama}", "--tokens", "-5"], "argument --tokens"),
-    ("passkey depth 2.0", ["passkey", "--model", "{llama}", "--depth", "2.0"], "argument --depth"),
-    ("passkey depth nan", ["passkey", "--model", "{llama}", "--depth", "nan"], "argument --depth"),
-    ("passkey past context", ["passkey", "--model", "{llama}", "--tokens", "100000000"], "--tokens: 100,000,000"),
-    ("passkey bad method", ["passkey", "--model", "{llama}", "--methods", "bf16|fp5"], "unknown method 'fp5'"),
-    ("override unknown", ["train-ref", "--override", '{"nosuch": 1}', "--out", "{out}"], "unknown V41Config fields nosuch"),
+    ("max-new-tokens past context", [*GEN, "--prompt", "hi", "--max-new-tokens", "16383"], PAST),
+    ("prompt past context", [*GEN, "--prompt", "hi " * 20000, "--max-new-tokens", "2"], PAST),
+    ("passkey tokens -5", [*PASSKEY, "--tokens", "-5"], "argument --tokens"),
+    ("passkey depth 2.0", [*PASSKEY, "--depth", "2.0"], "argument --depth"),
+    ("passkey depth nan", [*PASSKEY, "--depth", "nan"], "argument --depth"),
+    ("passkey past context", [*PASSKEY, "--tokens", "100000000"], "--tokens: 100,000,000"),
+    ("passkey bad method", [*PASSKEY, "--methods", "bf16|fp5"], "unknown method 'fp5'"),
+    ("override unknown", ["train-ref", "--override", '{"nosuch": 1}', "--out", "{out}"],
+     "unknown V41Config fields nosuch"),
     ("override not object", ["train-ref", "--override", "[1]", "--out", "{out}"], "JSON object"),
     ("override not JSON", ["train-ref", "--override", "{bad", "--out", "{out}"], "not valid JSON"),
     ("train steps", ["train-ref", "--steps", "-1", "--out", "{out}"], "argument --steps"),
-    ("train pairs > vocab", ["train-ref", "--pairs", "100", "--seq-len", "512", "--out", "{out}"], "pairs (100)"),
+    ("train pairs > vocab", ["train-ref", "--pairs", "100", "--seq-len", "512", "--out", "{out}"],
+     "pairs (100)"),
     ("train seq-len", ["train-ref", "--seq-len", "8", "--pairs", "4", "--out", "{out}"], "seq_len (8)"),
     ("train preset", ["train-ref", "--preset", "nosuch", "--out", "{out}"], "unknown V4.1 preset"),
     ("store config dir", ["store", "stats", "--config", "{dir}"], "--config: {dir} is a directory"),
     ("store config /dev/zero", ["store", "stats", "--config", "/dev/zero"], "not a regular file"),
     ("store config missing", ["store", "stats", "--config", "{dir}/none.toml"], "does not exist"),
     ("block_size abc", ["store", "stats", "--config", "{bs}"], "block_size: expected an integer, got 'abc'"),
-    ("redis_cluster 'false'", ["store", "verify", "--config", "{rc}"], "redis_cluster: expected true or false"),
+    ("redis_cluster 'false'", ["store", "verify", "--config", "{rc}"],
+     "redis_cluster: expected true or false"),
     ("capacity -1", ["store", "stats", "--config", "{cap}"], "global_capacity_gb: must be > 0"),
     ("ttl as text", ["store", "stats", "--config", "{ttl}"], "swa_ttl_seconds: expected a finite number"),
     ("retention nan", ["store", "gc", "--config", "{nan}"], "retention_hours: expected a finite number"),
@@ -100,59 +112,66 @@ CASES = [
     ("root not a store", ["store", "verify", "--config", "{root}"], "has no .kvstrata-store marker"),
     ("accounting tokens", ["accounting", "--model", "{llama}", "--tokens", "-5"], "argument --tokens"),
     ("bench n", ["bench", "--n", "-1", "--out", "{out}"], "argument --n"),
-    ("bench task", ["bench", "--tasks", "nosuch", "--model", "{llama}", "--out", "{out}"], "unknown task 'nosuch'"),
+    ("bench task", ["bench", "--tasks", "nosuch", "--model", "{llama}", "--out", "{out}"],
+     "unknown task 'nosuch'"),
     ("bench length", ["bench", "--model", "{llama}@100000000", "--out", "{out}"], "exceed"),
     ("topk-overlap k", ["topk-overlap", "--model", "{llama}", "--k", "0", "--out", "{out}"], "argument --k"),
-    ("topk-overlap k > tokens", ["topk-overlap", "--model", "{llama}", "--k", "99", "--tokens", "64", "--out", "{out}"],
+    ("topk-overlap k > tokens",
+     ["topk-overlap", "--model", "{llama}", "--k", "99", "--tokens", "64", "--out", "{out}"],
      "--k: 99 is more than --tokens 64"),
-    ("depth-similarity group", ["depth-similarity", "--model", "{llama}", "--group", "0"], "argument --group"),
-    ("depth-similarity tokens", ["depth-similarity", "--model", "{llama}", "--tokens", "100000", "--out", "{out}"],
+    ("depth-similarity group", ["depth-similarity", "--model", "{llama}", "--group", "0"],
+     "argument --group"),
+    ("depth-similarity tokens",
+     ["depth-similarity", "--model", "{llama}", "--tokens", "100000", "--out", "{out}"],
      "--tokens: 100,000 tokens exceed"),
     ("v41-prefill factor", ["v41-prefill", "--factor", "0"], "argument --factor"),
     ("v41-prefill preset", ["v41-prefill", "--preset", "nosuch"], "unknown V4.1 preset"),
-    ("chat bad config", ["chat", "--model", "{llama}", "--script", "{dir}", "--config", "{bs}"], "block_size"),
-    ("chat script is a dir", ["chat", "--model", "{llama}", "--script", "{dir}"], "--script: {dir} is a directory"),
+    ("chat bad config", ["chat", "--model", "{llama}", "--script", "{dir}", "--config", "{bs}"],
+     "block_size"),
+    ("chat script is a dir", ["chat", "--model", "{llama}", "--script", "{dir}"],
+     "--script: {dir} is a directory"),
     ("chat max-new-tokens", ["chat", "--max-new-tokens", "0"], "argument --max-new-tokens"),
     ("chat tenant", ["chat", "--tenant", ""], "argument --tenant: must not be empty"),
     ("chat swa turn", ["chat", "--forget-swa-before", "0"], "argument --forget-swa-before"),
     ("store-bench tokens", ["store-bench", "--tokens", "-1"], "argument --tokens"),
-    ("store-bench no sliding layers", ["store-bench", "--model", "{llama}", "--tokens", "512", "--out", "{out}"],
+    ("store-bench no sliding layers",
+     ["store-bench", "--model", "{llama}", "--tokens", "512", "--out", "{out}"],
      "needs a model with sliding-window layers"),
     ("serve model missing", ["serve", "--model", "{dir}/nope"], "neither a known model"),
     ("serve empty model", ["serve", "--model", " "], "argument --model: must not be empty"),
-    ("serve bad method", ["serve", "--model", "{llama}", "--method", "fp5"], "unknown method 'fp5'"),
-    ("serve port 0", ["serve", "--model", "{llama}", "--port", "0"], "argument --port: must be in [1, 65,535], got 0"),
-    ("serve port huge", ["serve", "--model", "{llama}", "--port", "70000"], "argument --port"),
-    ("serve max-active 0", ["serve", "--model", "{llama}", "--max-active", "0"], "argument --max-active"),
-    ("serve max-queue -1", ["serve", "--model", "{llama}", "--max-queue", "-1"], "argument --max-queue"),
-    ("serve timeout nan", ["serve", "--model", "{llama}", "--request-timeout", "nan"], "argument --request-timeout"),
-    ("serve timeout 0", ["serve", "--model", "{llama}", "--request-timeout", "0"], "argument --request-timeout"),
-    ("serve default-max-tokens", ["serve", "--model", "{llama}", "--default-max-tokens", "0"],
-     "argument --default-max-tokens"),
-    ("serve replay-tokens", ["serve", "--model", "{llama}", "--replay-tokens", "-1"], "argument --replay-tokens"),
-    ("serve memory -1", ["serve", "--model", "{llama}", "--memory-global-gb", "-1"], "argument --memory-global-gb"),
-    ("serve retention", ["serve", "--model", "{llama}", "--default-retention", "1h"], "argument --default-retention"),
-    ("serve key file dir", ["serve", "--model", "{llama}", "--api-key-file", "{dir}"],
-     "--api-key-file: {dir} is a directory"),
-    ("serve key file /dev/zero", ["serve", "--model", "{llama}", "--api-key-file", "/dev/zero"], "not a regular file"),
-    ("serve key file fifo", ["serve", "--model", "{llama}", "--api-key-file", "{fifo}"], "not a regular file"),
-    ("serve key file missing", ["serve", "--model", "{llama}", "--api-key-file", "{dir}/nope"], "does not exist"),
-    ("serve key file binary", ["serve", "--model", "{llama}", "--api-key-file", "{binary}"], "not valid UTF-8"),
-    ("serve key file blank", ["serve", "--model", "{llama}", "--api-key-file", "{blank}"], "{blank} holds no keys"),
-    ("serve key too short", ["serve", "--model", "{llama}", "--api-key-file", "{shortkey}"], "at least 8 characters"),
-    ("serve config dir", ["serve", "--model", "{llama}", "--config", "{dir}"], "--config: {dir} is a directory"),
-    ("serve config setting", ["serve", "--model", "{llama}", "--config", "{bs}"], "block_size: expected an integer"),
-    ("serve root not a store", ["serve", "--model", "{llama}", "--config", "{root}"], "has no .kvstrata-store marker"),
+    ("serve bad method", [*SERVE, "--method", "fp5"], "unknown method 'fp5'"),
+    ("serve port 0", [*SERVE, "--port", "0"], "argument --port: must be in [1, 65,535], got 0"),
+    ("serve port huge", [*SERVE, "--port", "70000"], "argument --port"),
+    ("serve max-active 0", [*SERVE, "--max-active", "0"], "argument --max-active"),
+    ("serve max-queue -1", [*SERVE, "--max-queue", "-1"], "argument --max-queue"),
+    ("serve timeout nan", [*SERVE, "--request-timeout", "nan"], "argument --request-timeout"),
+    ("serve timeout 0", [*SERVE, "--request-timeout", "0"], "argument --request-timeout"),
+    ("serve default-max-tokens", [*SERVE, "--default-max-tokens", "0"], "argument --default-max-tokens"),
+    ("serve replay-tokens", [*SERVE, "--replay-tokens", "-1"], "argument --replay-tokens"),
+    ("serve memory -1", [*SERVE, "--memory-global-gb", "-1"], "argument --memory-global-gb"),
+    ("serve retention", [*SERVE, "--default-retention", "1h"], "argument --default-retention"),
+    ("serve key file dir", [*SERVE, "--api-key-file", "{dir}"], "--api-key-file: {dir} is a directory"),
+    ("serve key file /dev/zero", [*SERVE, "--api-key-file", "/dev/zero"], "not a regular file"),
+    ("serve key file fifo", [*SERVE, "--api-key-file", "{fifo}"], "not a regular file"),
+    ("serve key file missing", [*SERVE, "--api-key-file", "{dir}/nope"], "does not exist"),
+    ("serve key file binary", [*SERVE, "--api-key-file", "{binary}"], "not valid UTF-8"),
+    ("serve key file blank", [*SERVE, "--api-key-file", "{blank}"], "{blank} holds no keys"),
+    ("serve key too short", [*SERVE, "--api-key-file", "{shortkey}"], "at least 8 characters"),
+    ("serve config dir", [*SERVE, "--config", "{dir}"], "--config: {dir} is a directory"),
+    ("serve config setting", [*SERVE, "--config", "{bs}"], "block_size: expected an integer"),
+    ("serve root not a store", [*SERVE, "--config", "{root}"], "has no .kvstrata-store marker"),
     ("serve-bench clients 0", ["serve-bench", "--clients", "0", "--out", "{out}"], "argument --clients"),
     ("serve-bench duration", ["serve-bench", "--duration", "inf", "--out", "{out}"], "argument --duration"),
     ("serve-bench seed", ["serve-bench", "--seed", "-1", "--out", "{out}"], "argument --seed"),
     ("serve-bench block", ["serve-bench", "--block-size", "0", "--out", "{out}"], "argument --block-size"),
-    ("serve-bench model", ["serve-bench", "--model", "{dir}/nope", "--out", "{out}"], "neither a known model"),
-    ("serve-bench method", ["serve-bench", "--model", "{llama}", "--method", "fp5", "--out", "{out}"],
-     "unknown method 'fp5'"),
-    ("serve-bench past context", ["serve-bench", "--model", "{llama}", "--context", "20000", "--probe-tokens", "0",
-                                  "--out", "{out}"], "past the model's context of 16,384"),
-    ("serve-bench probe past context", ["serve-bench", "--model", "{llama}", "--probe-tokens", "16384", "--out", "{out}"],
+    ("serve-bench model", ["serve-bench", "--model", "{dir}/nope", "--out", "{out}"],
+     "neither a known model"),
+    ("serve-bench method", [*SERVE_BENCH, "--method", "fp5", "--out", "{out}"], "unknown method 'fp5'"),
+    ("serve-bench past context",
+     [*SERVE_BENCH, "--context", "20000", "--probe-tokens", "0", "--out", "{out}"],
+     "past the model's context of 16,384"),
+    ("serve-bench probe past context",
+     [*SERVE_BENCH, "--probe-tokens", "16384", "--out", "{out}"],
      "--probe-tokens 16,384"),
     ("report bad rows", ["report", "{badrows}"], "results.jsonl: 2 bad row(s)"),
     ("report missing dir", ["report", "{dir}/none"], "holds no benchmark results"),
@@ -188,27 +207,31 @@ def test_bad_input_is_one_clear_line_and_exit_2(p, capsys, monkeypatch, argv, wo
 def test_env_settings_are_checked_too(p, capsys, monkeypatch):
     monkeypatch.setenv("KVSTRATA_STORE_BLOCK_SIZE", "abc")
     assert main(["store", "stats"]) == 2
-    assert capsys.readouterr().err == "kvstrata: error: KVSTRATA_STORE_BLOCK_SIZE: expected an integer, got 'abc'\n"
+    err = "kvstrata: error: KVSTRATA_STORE_BLOCK_SIZE: expected an integer, got 'abc'\n"
+    assert capsys.readouterr().err == err
 
 
 @pytest.mark.parametrize("argv, words", [
     (["generate", "--model", "{llama}", "--prompt-file", "/dev/zero"], "not a regular file"),
-    (["passkey", "--model", "{llama}", "--depth", "2.0"], "argument --depth"),
+    ([*PASSKEY, "--depth", "2.0"], "argument --depth"),
     (["store", "verify", "--config", "{rc}"], "redis_cluster: expected true or false"),
     (["report", "{badrows}"], "bad row(s)"),
-    (["serve", "--model", "{llama}", "--api-key-file", "/dev/zero"], "not a regular file"),
+    ([*SERVE, "--api-key-file", "/dev/zero"], "not a regular file"),
 ])
 def test_bad_input_through_the_real_entry_point(p, argv, words):
     out = subprocess.run([sys.executable, "-c", "import sys; from kvstrata.cli import main; sys.exit(main())",
                           *fill(argv, p)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "KVSTRATA_STORE_ROOT": p["out"] + "/store"})
+                         env={**os.environ, "PYTHONPATH": str(ROOT),
+                              "KVSTRATA_STORE_ROOT": p["out"] + "/store"})
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.count("\n") == 1 and out.stderr.startswith("kvstrata: error: ") and fill([words], p)[0] in out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("kvstrata: error: ")
+    assert fill([words], p)[0] in out.stderr
 
 
 def test_report_names_bad_rows_and_skips_them_only_when_asked(tmp_path, capsys):
     good = (ROOT / "docs/results/results.jsonl").read_text().splitlines()[:40]
-    bad = ['{"model": "smollm2-135m", "length": 2048, "ta', "[1,2]", "{}", json.dumps({**json.loads(good[0]), "score": "abc"})]
+    bad = ['{"model": "smollm2-135m", "length": 2048, "ta', "[1,2]", "{}",
+           json.dumps({**json.loads(good[0]), "score": "abc"})]
     (tmp_path / "results.jsonl").write_text("\n".join(good[:10] + bad[:2] + good[10:] + bad[2:]) + "\n")
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -224,7 +247,7 @@ def test_allocation_failures_and_long_messages_are_one_clear_line():
     from kvstrata.cli import one_line
 
     assert one_line(MemoryError()).startswith("out of memory (MemoryError)")
-    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                       "you tried to allocate 8000000000000 bytes.\nmore detail")
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                       "memory: you tried to allocate 8000000000000 bytes.\nmore detail")
     assert one_line(cpu).startswith("out of memory ([enforce fail") and "\n" not in one_line(cpu)
     assert one_line(ValueError("\n  first line  \nsecond")) == "first line"

@@ -47,20 +47,29 @@ def test_models_and_methods(capsys):
     assert "nvfp4" in out and "snapkv" in out and "topk" in out
 
 
-@pytest.mark.parametrize("model, method, tokens", [("tiny-llama", "nvfp4:r=64", 1000), ("tiny-gemma3", "nvfp4;sliding=fp8", 4096)])
+@pytest.mark.parametrize(
+    "model, method, tokens", [("tiny-llama", "nvfp4:r=64", 1000), ("tiny-gemma3", "nvfp4;sliding=fp8", 4096)]
+)
 def test_generate(capsys, tmp_path, model, method, tokens):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(("There and back again. " * 200)[:tokens])  # one token per byte
-    row = json.loads(run(capsys, f"generate --model {model} --method '{method}' --prompt-file {prompt} "
-                                 "--max-new-tokens 4 --json"))
+    row = json.loads(
+        run(
+            capsys,
+            f"generate --model {model} --method '{method}' --prompt-file {prompt} --max-new-tokens 4 --json",
+        )
+    )
     assert row["method"] == method and row["context_tokens"] == tokens
     assert row["new_tokens"] >= 1 and row["kv_bytes_per_token"] < row["kv_bytes_per_token_bf16"]
-    assert "context 11 tokens; KV" in run(capsys, f"generate --model {model} --prompt 'hello there' --max-new-tokens 2",
-                                          "err")
+    assert "context 11 tokens; KV" in run(
+        capsys, f"generate --model {model} --prompt 'hello there' --max-new-tokens 2", "err"
+    )
 
 
-@pytest.mark.parametrize("model, tokens", [("tiny-llama", 1000), ("tiny-llama", 1024), ("tiny-gemma3", 3000),
-                                           ("tiny-gemma3", 4096)])
+@pytest.mark.parametrize(
+    "model, tokens",
+    [("tiny-llama", 1000), ("tiny-llama", 1024), ("tiny-gemma3", 3000), ("tiny-gemma3", 4096)],
+)
 def test_passkey(capsys, model, tokens):
     out = run(capsys, f"passkey --model {model} --tokens {tokens}")
     assert out.startswith(f"{model}: {tokens} tokens, needle ")  # the length asked is the length fed
@@ -71,16 +80,27 @@ def test_passkey(capsys, model, tokens):
 def bench_dir(tmp_path_factory):
     """`kvstrata bench` at 1000 and 1024 tokens (tiny Gemma-3, every task) and 4096 (tiny Llama)."""
     out = tmp_path_factory.mktemp("bench")
-    for model, tasks in (("tiny-gemma3@1000/1024", "single,multikey,multivalue,multiquery,vartrack,fidelity"),
-                         ("tiny-llama@4096", "single,fidelity")):
-        assert main(shlex.split(f"bench --model {model} --n 1 --tasks {tasks} --methods bf16,nvfp4,snapkv:keep=0.28 "
-                                f"--out {out}")) == 0
+    for model, tasks in (
+        ("tiny-gemma3@1000/1024", "single,multikey,multivalue,multiquery,vartrack,fidelity"),
+        ("tiny-llama@4096", "single,fidelity"),
+    ):
+        assert (
+            main(
+                shlex.split(
+                    f"bench --model {model} --n 1 --tasks {tasks} --methods bf16,nvfp4,snapkv:keep=0.28 "
+                    f"--out {out}"
+                )
+            )
+            == 0
+        )
     return out
 
 
 def test_bench_rows_run_at_their_length(bench_dir):
     rs = rows(bench_dir / "results.jsonl")
-    assert {(r["model"], r["length"]) for r in rs} == {("tiny-gemma3", 1000), ("tiny-gemma3", 1024), ("tiny-llama", 4096)}
+    assert {(r["model"], r["length"]) for r in rs} == {
+        ("tiny-gemma3", 1000), ("tiny-gemma3", 1024), ("tiny-llama", 4096),
+    }
     assert len(rs) == 3 * (6 + 6 + 2)
     for r in rs:
         if r["task"] == "fidelity":
@@ -98,8 +118,9 @@ def test_report(bench_dir, capsys):
 
 
 def test_check_lengths_finds_and_drops_a_short_row(bench_dir, tmp_path, capsys):
-    assert run(capsys, f"check-lengths {bench_dir}").endswith("0 of 42 rows were fed a context their nominal length "
-                                                             "does not allow\n")
+    assert run(capsys, f"check-lengths {bench_dir}").endswith(
+        "0 of 42 rows were fed a context their nominal length does not allow\n"
+    )
     work = tmp_path / "copy"
     work.mkdir()
     rs = rows(bench_dir / "results.jsonl")
@@ -107,16 +128,21 @@ def test_check_lengths_finds_and_drops_a_short_row(bench_dir, tmp_path, capsys):
     legacy["context_tokens"] -= 100  # as rows written before the lengths were exact
     (work / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [legacy, *rs[1:]]))
     out = run(capsys, f"check-lengths {work} --drop")
-    assert f"| {legacy['model']} | {legacy['length']} | {legacy['task']} | `{legacy['method']}` | 1 (0) |" in out
+    assert (
+        f"| {legacy['model']} | {legacy['length']} | {legacy['task']} | `{legacy['method']}` | 1 (0) |" in out
+    )
     assert "1 of 42 rows" in out
     assert len(rows(work / "results.jsonl")) == 41 and rows(work / "short-rows.jsonl") == [legacy]
 
 
-@pytest.mark.parametrize("command, words", [
-    ("accounting --preset v41-flash", "890"),
-    ("accounting --model tiny-llama --method nvfp4 --tokens 4096", "nvfp4"),
-    ("accounting --model tiny-gemma3 --method mxfp4 --tokens 1000 --json", '"layers"'),
-])
+@pytest.mark.parametrize(
+    "command, words",
+    [
+        ("accounting --preset v41-flash", "890"),
+        ("accounting --model tiny-llama --method nvfp4 --tokens 4096", "nvfp4"),
+        ("accounting --model tiny-gemma3 --method mxfp4 --tokens 1000 --json", '"layers"'),
+    ],
+)
 def test_accounting(capsys, command, words):
     assert words in run(capsys, command)
 
@@ -170,13 +196,18 @@ def test_serve(tmp_path):
     from kvstrata.serve.process import ServerProcess
 
     prompt = ("There and back again. " * 200)[:4096]  # one token per byte
-    with ServerProcess("tiny-gemma3", "--method", "nvfp4;sliding=fp8", name="tiny-gemma3",
-                       log_path=tmp_path / "serve.log") as server:
-        first = httpx.post(server.base_url + "/completions", timeout=300, json={
-            "model": "tiny-gemma3", "prompt": prompt[:1000], "max_tokens": 8, "temperature": 0}).json()
+    with ServerProcess(
+        "tiny-gemma3", "--method", "nvfp4;sliding=fp8", name="tiny-gemma3", log_path=tmp_path / "serve.log"
+    ) as server:
+        first = httpx.post(
+            server.base_url + "/completions", timeout=300,
+            json={"model": "tiny-gemma3", "prompt": prompt[:1000], "max_tokens": 8, "temperature": 0},
+        ).json()
         assert first["kvstrata"]["kind"] == "miss" and first["usage"]["prompt_tokens"] == 1000
         oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
-        for cached in (768, 3840):  # the 1,000-token turn's 3 whole blocks, then all 15 of the 4,096-token turn
+        for cached in (
+            768, 3840,
+        ):  # the 1,000-token turn's 3 whole blocks, then all 15 of the 4,096-token turn
             r = oa.completions.create(model="tiny-gemma3", prompt=prompt, max_tokens=8, temperature=0)
             assert r.kvstrata["kind"] == "hit" and r.usage.prompt_tokens_details.cached_tokens == cached
             assert r.usage.prompt_tokens == 4096 and r.usage.completion_tokens >= 1
@@ -185,8 +216,11 @@ def test_serve(tmp_path):
 def test_serve_bench(capsys, tmp_path):
     """The documented functional run on tiny-gemma3 (no chat template: completions): a 4k probe with
     its replay, 1,000-token conversations with the store on and off, answers re-checked."""
-    run(capsys, f"serve-bench --model tiny-gemma3 --clients 2 --turns 3 --context 1000 --tool-tokens 64 --max-tokens 4 "
-                f"--probe-tokens 4096 --probe-swa-ttl 5 --check 2 --duration 120 --out {tmp_path}")
+    run(
+        capsys,
+        "serve-bench --model tiny-gemma3 --clients 2 --turns 3 --context 1000 --tool-tokens 64 "
+        f"--max-tokens 4 --probe-tokens 4096 --probe-swa-ttl 5 --check 2 --duration 120 --out {tmp_path}",
+    )
     s = json.loads((tmp_path / "serve_bench.json").read_text())["summary"]
     assert s["endpoint"] == "completions" and s["probe"]["prompt_tokens"] == 4096
     assert s["probe"]["kinds"] == ["miss"] + ["hit"] * 5 + ["replay"] and s["probe"]["errors"] == 0
@@ -199,21 +233,27 @@ def test_serve_bench(capsys, tmp_path):
 
 @pytest.mark.parametrize("tokens", [1000, 4096])
 def test_topk_overlap(capsys, tmp_path, tokens):
-    out = run(capsys, f"topk-overlap --model tiny-llama,tiny-gemma3 --tokens {tokens} --k 256 --out {tmp_path}")
+    out = run(
+        capsys, f"topk-overlap --model tiny-llama,tiny-gemma3 --tokens {tokens} --k 256 --out {tmp_path}"
+    )
     assert "tiny-llama: mean top-256 overlap" in out
     assert json.loads((tmp_path / "topk_overlap.json").read_text())["tiny-llama"]["tokens"] == tokens
 
 
 @pytest.mark.parametrize("preset, factor", [("small-v41", 16), ("tiny-v41", 3)])
 def test_v41_prefill(capsys, tmp_path, preset, factor):
-    out = run(capsys, f"v41-prefill --preset {preset} --factor {factor} --repeats 1 --out {tmp_path / 'p.json'}")
+    out = run(
+        capsys, f"v41-prefill --preset {preset} --factor {factor} --repeats 1 --out {tmp_path / 'p.json'}"
+    )
     r = json.loads((tmp_path / "p.json").read_text())
     assert r["prompt_tokens"] == factor * r["n_win"] and f"{r['prompt_tokens']} prompt tokens" in out
 
 
 @pytest.mark.parametrize("extra", ["", """--override '{"swa_values": true}'"""])
 def test_train_ref(capsys, tmp_path, extra):
-    out = run(capsys, f"train-ref --preset tiny-v41 --steps 2 --batch 4 --eval-sequences 8 {extra} --out {tmp_path}")
+    out = run(
+        capsys, f"train-ref --preset tiny-v41 --steps 2 --batch 4 --eval-sequences 8 {extra} --out {tmp_path}"
+    )
     assert "v41: recall" in out and "dense: recall" in out
     assert json.loads((tmp_path / "train_ref.json").read_text())["config"]["steps"] == 2
 
@@ -252,7 +292,12 @@ def test_kernels_bench(capsys, tmp_path, lengths):
 def test_memory_bench(capsys, tmp_path):
     """`kvstrata memory-bench` on the tiny Llama at a length that is no multiple of the chunk."""
     out = tmp_path / "mem"
-    run(capsys, f"memory-bench --model tiny-llama --tokens 1000 --methods bf16,nvfp4 --chunks 256,0 --out {out}")
+    run(
+        capsys,
+        f"memory-bench --model tiny-llama --tokens 1000 --methods bf16,nvfp4 --chunks 256,0 --out {out}",
+    )
     rs = rows(out / "memory.jsonl")
-    assert [(r["method"], r["prefill_chunk"]) for r in rs] == [("bf16", 256), ("bf16", 0), ("nvfp4", 256), ("nvfp4", 0)]
+    assert [(r["method"], r["prefill_chunk"]) for r in rs] == [
+        ("bf16", 256), ("bf16", 0), ("nvfp4", 256), ("nvfp4", 0),
+    ]
     assert all(r["context_tokens"] >= 1000 and r["kv_mb"] > 0 and r["peak_rss_mb"] > 0 for r in rs)

@@ -12,7 +12,15 @@ from kvstrata.bench.haystack import fed_tokens, place
 from kvstrata.bench.passkey import passkey_prompt
 from kvstrata.bench.tasks import CONTINUATION, TASKS, make_instance
 from kvstrata.models.tiny import byte_tokenizer
-from kvstrata.text import KINDS, TextShortfall, count, exact_prefix, haystack, natural_ids, prose_and_continuation
+from kvstrata.text import (
+    KINDS,
+    TextShortfall,
+    count,
+    exact_prefix,
+    haystack,
+    natural_ids,
+    prose_and_continuation,
+)
 
 REAL = ("smollm2-135m", "gemma3-270m")
 TOKENIZERS = ["byte", *(pytest.param(name, marks=pytest.mark.integration) for name in REAL)]

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvstrata.bench.results import ReportInput, fmt, load_rows, summarise
 from kvstrata.bench.runner import BenchConfig
 from kvstrata.codecs import spec_of
 from kvstrata.codecs.depth import MODES
 from kvstrata.methods import parse_method
-from kvstrata.bench.results import ReportInput, fmt, load_rows, summarise
 
 #: bf16 first (the reference), then forced modes (what sharing alone costs), then the probe's
 #: tolerance, then the best candidates on top of FP4.
@@ -41,7 +41,9 @@ SUBDIR = "depth-ablation"
 
 def config(model: str, length: int, n: int, out: Path, methods: tuple[str, ...] = GRID) -> BenchConfig:
     """The bench config of one ablation run (its own results directory under `out`)."""
-    return BenchConfig(models=(model,), lengths=(length,), tasks=TASKS, methods=methods, n=n, out=Path(out) / SUBDIR)
+    return BenchConfig(
+        models=(model,), lengths=(length,), tasks=TASKS, methods=methods, n=n, out=Path(out) / SUBDIR
+    )
 
 
 def _knobs(method: str) -> dict:
@@ -49,8 +51,11 @@ def _knobs(method: str) -> dict:
     cfg = full.depth
     if cfg is None:
         return {"codec": spec_of(full.codec)}
-    return {"g": cfg.g, "f": cfg.f, "r": cfg.r if cfg.mode in ("probe", "residual") else None,
-            "tol": cfg.tol if cfg.mode == "probe" else None, "norm": cfg.norm, "mode": cfg.mode, "codec": spec_of(full.codec)}
+    return {
+        "g": cfg.g, "f": cfg.f, "r": cfg.r if cfg.mode in ("probe", "residual") else None,
+        "tol": cfg.tol if cfg.mode == "probe" else None, "norm": cfg.norm, "mode": cfg.mode,
+        "codec": spec_of(full.codec),
+    }
 
 
 def _modes(rows: list[dict]) -> str:
@@ -63,24 +68,31 @@ def _modes(rows: list[dict]) -> str:
 
 def _shares(method: str, rows: list[dict]) -> bool:
     """Whether the probe or the forced mode left some head shared or residual (not all exact)."""
-    return any(r.get("head_modes", {}).get(m) for r in rows if r["method"] == method for m in MODES if m != "exact")
+    return any(
+        r.get("head_modes", {}).get(m) for r in rows if r["method"] == method for m in MODES if m != "exact"
+    )
 
 
 def frontier(methods: dict, ref: dict, slack: float) -> tuple[str, dict] | None:
     """The most compressed method whose single-needle retrieval is within `slack` of bf16's."""
-    ok = [(m, s) for m, s in methods.items() if m != "bf16" and s["per_task"].get("single") is not None
-          and s["per_task"]["single"] >= ref["per_task"]["single"] - slack]
+    ok = [
+        (m, s)
+        for m, s in methods.items()
+        if m != "bf16"
+        and s["per_task"].get("single") is not None
+        and s["per_task"]["single"] >= ref["per_task"]["single"] - slack
+    ]
     return max(ok, key=lambda ms: ms[1]["compression"]) if ok else None
 
 
 def plot_modes(rows: list[dict], path: Path) -> Path | None:
     """Heat map per probed method: depth group x KV head, coloured by the mode the probe fixed
     (first instance's decisions). None when no row carries a map."""
-    import matplotlib
+    import matplotlib  # optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
+    import matplotlib.pyplot as plt  # optional dependency (the bench extra)
+    from matplotlib.colors import ListedColormap  # optional dependency (the bench extra)
 
     maps = {}
     for r in rows:
@@ -115,37 +127,55 @@ def report_section(given: ReportInput) -> str:
     if not (path / "results.jsonl").exists():
         return ""
     rows = load_rows(path, given.skip_bad)
-    lines = ["## FreqDepthKV ablation\n",
-             "Each knob of depth sharing on its own, on the benchmark's single-needle and fidelity cells "
-             "(`kvstrata depth-ablation --model MODEL --length L --n N --out DIR`). Modes: `shared` keeps only the F "
-             "lowest depth-DCT coefficients of each group of G layers, `residual` adds the top-r tokens' "
-             "high-frequency residual, `probe` picks per KV head the cheapest mode within the tolerance "
-             "(head decisions: shared / residual / exact).\n"]
+    lines = [
+        "## FreqDepthKV ablation\n",
+        "Each knob of depth sharing on its own, on the benchmark's single-needle and fidelity cells "
+        "(`kvstrata depth-ablation --model MODEL --length L --n N --out DIR`). Modes: `shared` keeps only "
+        "the F lowest depth-DCT coefficients of each group of G layers, `residual` adds the top-r tokens' "
+        "high-frequency residual, `probe` picks per KV head the cheapest mode within the tolerance (head "
+        "decisions: shared / residual / exact).\n",
+    ]
     for (model, length), s in summarise(rows).items():
         ref = s["methods"].get("bf16")
         mine = [x for x in rows if x["model"] == model and x["length"] == length]
-        lines += [f"### {model}, {length} tokens ({s['n']} instances)\n",
-                  "| method | G | F | r | tol | norm | mode | codec | B/token | × smaller | single | KL | top-1 | Δppl | heads s / r / e |",
-                  "|" + "---|" * 15]
+        lines += [
+            f"### {model}, {length} tokens ({s['n']} instances)\n",
+            "| method | G | F | r | tol | norm | mode | codec | B/token | × smaller | single | KL | top-1 "
+            "| Δppl | heads s / r / e |",
+            "|" + "---|" * 15,
+        ]
         for m, r in sorted(s["methods"].items(), key=lambda kv: kv[1]["compression"]):
             k = _knobs(m)
-            cells = [f"`{m}`", *("–" if k.get(x) is None else str(k[x]) for x in ("g", "f", "r", "tol")),
-                     "yes" if k.get("norm") else "–", k.get("mode", "–"), k["codec"],
-                     fmt(r["kv_bytes_per_token"], "{:,.0f}"), fmt(r["compression"]), fmt(r["per_task"].get("single")),
-                     fmt(r["kl"], "{:.4f}"), fmt(r["top1"]), fmt(r["ppl_change"], "{:+.2%}"),
-                     _modes([x for x in mine if x["method"] == m])]
+            cells = [
+                f"`{m}`", *("–" if k.get(x) is None else str(k[x]) for x in ("g", "f", "r", "tol")),
+                "yes" if k.get("norm") else "–", k.get("mode", "–"), k["codec"],
+                fmt(r["kv_bytes_per_token"], "{:,.0f}"), fmt(r["compression"]),
+                fmt(r["per_task"].get("single")), fmt(r["kl"], "{:.4f}"), fmt(r["top1"]),
+                fmt(r["ppl_change"], "{:+.2%}"), _modes([x for x in mine if x["method"] == m]),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         png = plot_modes(mine, path / f"head_modes_{model}_{length}.png")
         if png is not None:
-            lines += ["", "The probe's fixed decisions per depth group and KV head:", "", f"![head modes]({SUBDIR}/{png.name})"]
+            lines += [
+                "", "The probe's fixed decisions per depth group and KV head:", "",
+                f"![head modes]({SUBDIR}/{png.name})",
+            ]
         if ref:
             lines.append("")
             depth = {m: r for m, r in s["methods"].items() if _shares(m, mine)}
-            for label, pool in (("method that shares depth (some head not exact)", depth), ("method here", s["methods"])):
+            for label, pool in (
+                ("method that shares depth (some head not exact)", depth), ("method here", s["methods"]),
+            ):
                 for slack in (0.01, 0.02):
                     found = frontier(pool, ref, slack)
-                    lines.append(f"Most compressed {label} with single-needle retrieval within {slack * 100:.0f} "
-                                 "point(s) of bf16: " +
-                                 (f"`{found[0]}` at {found[1]['compression']:.2f}× (top-1 {fmt(found[1]['top1'])})."
-                                  if found else "none.") + "\n")
+                    lines.append(
+                        f"Most compressed {label} with single-needle retrieval within {slack * 100:.0f} "
+                        "point(s) of bf16: "
+                        + (
+                            f"`{found[0]}` at {found[1]['compression']:.2f}× (top-1 {fmt(found[1]['top1'])})."
+                            if found
+                            else "none."
+                        )
+                        + "\n"
+                    )
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from kvstrata.codecs.depth_dct import low_energy_share
 from kvstrata.hf.run import forward
+from kvstrata.models import load
 from kvstrata.text import natural_ids
 
 
@@ -33,20 +34,24 @@ def similarity(k: torch.Tensor, v: torch.Tensor, group: int) -> dict:
     n = k.shape[0] // group * group
     groups = lambda a: a[:n].reshape(n // group, group, *a.shape[1:])  # noqa: E731
     low = lambda a: torch.stack([low_energy_share(g, 1).mean(-1) for g in groups(a)])  # noqa: E731
-    return {"k_cos": cos(k).tolist(), "v_cos": cos(v).tolist(), "k_low": low(k).tolist(), "v_low": low(v).tolist(),
-            "group": group, "tokens": k.shape[2]}
+    return {
+        "k_cos": cos(k).tolist(), "v_cos": cos(v).tolist(), "k_low": low(k).tolist(),
+        "v_low": low(v).tolist(), "group": group, "tokens": k.shape[2],
+    }
 
 
 def plot(result: dict, title: str, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (the bench extra)
 
     fig, axes = plt.subplots(1, 4, figsize=(14, 4.5))
-    panels = [("k_cos", "K cosine, layer i vs i+1"), ("v_cos", "V cosine, layer i vs i+1"),
-              ("k_low", f"K energy in lowest depth freq (G={result['group']})"),
-              ("v_low", f"V energy in lowest depth freq (G={result['group']})")]
+    panels = [
+        ("k_cos", "K cosine, layer i vs i+1"), ("v_cos", "V cosine, layer i vs i+1"),
+        ("k_low", f"K energy in lowest depth freq (G={result['group']})"),
+        ("v_low", f"V energy in lowest depth freq (G={result['group']})"),
+    ]
     for ax, (key, label) in zip(axes, panels):
         data = torch.tensor(result[key]).numpy()
         im = ax.imshow(data, aspect="auto", cmap="viridis", vmin=0 if "low" in key else -0.2, vmax=1)
@@ -61,7 +66,6 @@ def plot(result: dict, title: str, path: Path) -> None:
 
 
 def run(model_names: list[str], tokens: int, group: int, out: Path) -> dict:
-    from kvstrata.models import load
 
     out.mkdir(parents=True, exist_ok=True)
     results = {}

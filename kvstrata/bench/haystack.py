@@ -24,15 +24,19 @@ def special_tokens(tokenizer) -> int:
     return len(tokenizer("").input_ids)
 
 
-def place(tokenizer, n_tokens: int, head: str, needles: list[str], fractions: list[float], kind: str = "noise",
-          seed: int = 0, tail: str = "") -> tuple[str, list[float]]:
+def place(
+    tokenizer, n_tokens: int, head: str, needles: list[str], fractions: list[float], kind: str = "noise",
+    seed: int = 0, tail: str = "",
+) -> tuple[str, list[float]]:
     """(context, depths): `head`, then `kind` haystack with `needles` inserted in order at the piece
     boundaries nearest the relative depths `fractions`; the context followed by `tail` (a question
     fed in one piece with it) is exactly `n_tokens` fed tokens."""
     parts = [head, *needles, tail]
     fixed = special_tokens(tokenizer) + sum(count(tokenizer, p) for p in parts)
     if n_tokens < fixed:
-        raise ValueError(f"{n_tokens} tokens cannot hold even the fixed text (head, needles, question): {fixed} tokens")
+        raise ValueError(
+            f"{n_tokens} tokens cannot hold even the fixed text (head, needles, question): {fixed} tokens"
+        )
     tried: dict[int, int] = {}
 
     def attempt(budget: int) -> tuple[str, list[float]] | None:
@@ -57,4 +61,6 @@ def place(tokenizer, n_tokens: int, head: str, needles: list[str], fractions: li
         if b >= 0 and b not in tried and (found := attempt(b)):
             return found
     closest = min(tried.values(), key=lambda g: abs(g - n_tokens))
-    raise TextShortfall(f"{kind} context", n_tokens, closest, "no haystack length makes the joined context exact")
+    raise TextShortfall(
+        f"{kind} context", n_tokens, closest, "no haystack length makes the joined context exact"
+    )

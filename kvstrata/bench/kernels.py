@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from kvstrata.bench.results import ReportInput, read_jsonl
 from kvstrata.hf.segments import encode_segment
 from kvstrata.methods import parse_method
-from kvstrata.read.decode import EncodedView, decode_attention, kernel_args
+from kvstrata.read.decode import EncodedView, decode_attention, kernel_args, triton_runs
 from kvstrata.read.kernels import cpu
-from kvstrata.bench.results import ReportInput, read_jsonl
 
 # (query heads, KV heads, head_dim) of the real models
 SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}
@@ -58,7 +58,8 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
     kb, vb, qb = k.bfloat16(), v.bfloat16(), q.bfloat16()
     base = {"shape": shape_name, "tokens": n, "q_heads": hq, "kv_heads": hk, "head_dim": d,
             "threads": torch.get_num_threads()}
-    sdpa_bf16 = _time(lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True), repeats)
+    sdpa_bf16 = _time(lambda: F.scaled_dot_product_attention(
+        qb, kb, vb, scale=scale, enable_gqa=True), repeats)
     sdpa_f32 = _time(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), repeats)
     rows = [dict(base, codec="sdpa-bf16", seconds=sdpa_bf16, bytes=2 * kb.numel() * 2),
             dict(base, codec="sdpa-f32", seconds=sdpa_f32, bytes=2 * k.numel() * 4)]
@@ -85,8 +86,7 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
 def measure_cuda(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
     """The Triton kernels on the GPU against SDPA over the same cache in bf16, and the card's copy
     bandwidth on buffers of the same size."""
-    from kvstrata.read.decode import triton_runs
-    from kvstrata.read.kernels import triton_decode
+    from kvstrata.read.kernels import triton_decode  # optional dependency: triton
 
     hq, hk, d = SHAPES[shape_name]
     g = torch.Generator().manual_seed(seed)
@@ -132,10 +132,10 @@ def run(out: Path, lengths=LENGTHS, shapes=tuple(SHAPES), repeats: int = 9) -> P
 
 
 def plot(rows: list[dict], out: Path) -> Path:
-    import matplotlib
+    import matplotlib  # optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (the bench extra)
 
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.2), squeeze=False)
@@ -161,26 +161,27 @@ def report_section(given: ReportInput) -> str:
     if not rows:
         return ""
     lines = ["## Decode-attention kernels\n",
-             "`kvstrata kernels-bench`: one layer's decode attention (one query token) over a cache of n tokens, "
-             "each codec's fused kernel against SDPA over the same cache held in bf16 and in float32; "
-             "effective bandwidth = bytes of codes + scales read ÷ time, against a copy of a buffer of "
-             "the same size measured in the same run.\n"]
+             "`kvstrata kernels-bench`: one layer's decode attention (one query token) over a cache of n "
+             "tokens, each codec's fused kernel against SDPA over the same cache held in bf16 and in "
+             "float32; effective bandwidth = bytes of codes + scales read ÷ time, against a copy of a "
+             "buffer of the same size measured in the same run.\n"]
     if (given.out / "kernels" / "kernels.png").exists():
         lines.append("![decode-attention kernels](kernels/kernels.png)\n")
     if not any(r.get("device") == "cuda" for r in rows):
-        lines.append("No GPU was available for this run: the Triton kernels were checked for correctness only "
-                     "(in Triton's interpreter, by the tests), not timed.\n")
+        lines.append("No GPU was available for this run: the Triton kernels were checked for correctness "
+                     "only (in Triton's interpreter, by the tests), not timed.\n")
     for shape, device in dict.fromkeys((r["shape"], r.get("device", "cpu")) for r in rows):
         rs = [r for r in rows if r["shape"] == shape and r.get("device", "cpu") == device]
-        lines += [f"### {shape} heads, {device}\n", "| tokens | codec | ms | × SDPA bf16 | × SDPA f32 | GB/s | copy GB/s |",
+        lines += [f"### {shape} heads, {device}\n", "| tokens | codec | ms | × SDPA bf16 | × SDPA f32 | GB/s "
+                                                    "| copy GB/s |",
                   "|---|---|---|---|---|---|---|"]
         for r in rs:
             if r["codec"].startswith("sdpa"):
                 lines.append(f"| {r['tokens']:,} | {r['codec']} | {r['seconds'] * 1e3:.3f} | | | | |")
             else:
-                lines.append(f"| {r['tokens']:,} | {r['codec']} | {r['seconds'] * 1e3:.3f} | {r['vs_sdpa_bf16']:.2f} | "
+                lines.append(f"| {r['tokens']:,} | {r['codec']} | {r['seconds'] * 1e3:.3f} | "
+                             f"{r['vs_sdpa_bf16']:.2f} | "
                              f"{'–' if r['vs_sdpa_f32'] is None else format(r['vs_sdpa_f32'], '.2f')} | "
-                             f"{r['effective_bytes_per_s'] / 1e9:.2f} | "
-                             f"{r['copy_bytes_per_s'] / 1e9:.2f} |")
+                             f"{r['effective_bytes_per_s'] / 1e9:.2f} | {r['copy_bytes_per_s'] / 1e9:.2f} |")
         lines.append("")
     return "\n".join(lines)

@@ -21,10 +21,10 @@ from kvstrata.bench.tasks import Question
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.attention import stock_attention
 from kvstrata.hf.probe import probing
+from kvstrata.hf.reading import reading
 from kvstrata.hf.run import forward
 from kvstrata.keep import window_scores
 from kvstrata.methods import MethodSpec
-from kvstrata.hf.reading import reading
 
 
 @dataclass
@@ -84,8 +84,10 @@ def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) ->
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
     with reading(model, cache, spec) as sparse:
-        res = with_costs(greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"]), kv_bytes, compress_s,
-                         **_modes(cache))
+        res = with_costs(
+            greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"]), kv_bytes,
+            compress_s, **_modes(cache),
+        )
     if sparse and sparse.steps:
         # sparse reads count index rows scanned + entries gathered (full-attention layers), plus
         # what the layers that stay dense (sliding windows) hold
@@ -121,11 +123,15 @@ def fidelity_dynamic(model, pre: Prefill, cont_ids: torch.Tensor, ref: torch.Ten
 def with_costs(res: dict, kv_bytes: float, compress_s: float | None, **extra) -> dict:
     """A `greedy` result with the cache's costs; a dense decode step reads everything held."""
     dense_read = res.pop("dense_read") or kv_bytes
-    return {**res, "kv_bytes": kv_bytes, "compress_s": compress_s, "bytes_read_per_step": dense_read,
-            "dense_bytes_read_per_step": dense_read, **extra}
+    return {
+        **res, "kv_bytes": kv_bytes, "compress_s": compress_s, "bytes_read_per_step": dense_read,
+        "dense_bytes_read_per_step": dense_read, **extra,
+    }
 
 
-def greedy(model, tokenizer, cache, question: Question, held: Callable[[], float], position: int | None = None) -> dict:
+def greedy(
+    model, tokenizer, cache, question: Question, held: Callable[[], float], position: int | None = None
+) -> dict:
     """Feed `question` after the context held in `cache` and decode greedily until the answer ends.
 
     `held()` is what the cache holds (dense attention reads all of it each step). `position`, when
@@ -180,14 +186,18 @@ def fidelity(model, pre: Prefill, spec: MethodSpec, cont_ids: torch.Tensor, ref:
     return continuation(model, cache, cont_ids, ref, kv_bytes, compress_s, **_modes(cache))
 
 
-def continuation(model, cache, cont_ids: torch.Tensor, ref: torch.Tensor, kv_bytes: float, compress_s: float | None,
-                 position_ids: torch.Tensor | None = None, **extra) -> dict:
+def continuation(
+    model, cache, cont_ids: torch.Tensor, ref: torch.Tensor, kv_bytes: float, compress_s: float | None,
+    position_ids: torch.Tensor | None = None, **extra,
+) -> dict:
     """Teacher-force the continuation over `cache` and score it against the reference logits."""
     t0 = time.perf_counter()
     got = forward(model, cont_ids, cache, logits_to_keep=cont_ids.shape[1], position_ids=position_ids)[0]
     seconds = time.perf_counter() - t0
-    return {**fidelity_scores(ref, got, cont_ids), "kv_bytes": kv_bytes, "compress_s": compress_s,
-            "question_s": seconds, "decode_s_per_token": None, "bytes_read_per_step": kv_bytes, **extra}
+    return {
+        **fidelity_scores(ref, got, cont_ids), "kv_bytes": kv_bytes, "compress_s": compress_s,
+        "question_s": seconds, "decode_s_per_token": None, "bytes_read_per_step": kv_bytes, **extra,
+    }
 
 
 def fidelity_scores(ref: torch.Tensor, got: torch.Tensor, cont_ids: torch.Tensor) -> dict:
@@ -200,4 +210,7 @@ def fidelity_scores(ref: torch.Tensor, got: torch.Tensor, cont_ids: torch.Tensor
     top1 = (lp.argmax(-1) == lp_ref.argmax(-1)).float().mean().item()
     nll = -lp.gather(-1, target[:, None]).mean().item()
     ref_nll = -lp_ref.gather(-1, target[:, None]).mean().item()
-    return {"kl": kl, "top1": top1, "ppl": float(torch.tensor(nll).exp()), "ref_ppl": float(torch.tensor(ref_nll).exp())}
+    return {
+        "kl": kl, "top1": top1, "ppl": float(torch.tensor(nll).exp()),
+        "ref_ppl": float(torch.tensor(ref_nll).exp()),
+    }

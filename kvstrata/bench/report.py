@@ -8,16 +8,20 @@ import json
 import re
 from pathlib import Path
 
-from kvstrata.bench.peers import compare
 from kvstrata.bench import depth_ablation, kernels, memory, sparse_frontier, speed, v41_prefill
+from kvstrata.bench.peers import compare
 from kvstrata.bench.results import USABLE, ReportInput, fmt, load_results, summarise
 
-FAMILY_COLOURS = {"reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
-                  "eviction+quant": "tab:green", "depth": "tab:purple", "sparse-read": "tab:red", "peer": "tab:gray"}
+FAMILY_COLOURS = {
+    "reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
+    "eviction+quant": "tab:green", "depth": "tab:purple", "sparse-read": "tab:red", "peer": "tab:gray",
+}
 # The report's sections after the main tables, in order: each takes a ReportInput and returns Markdown
 # ('' when its experiment has not run into this directory).
-SECTIONS = (speed.report_section, kernels.report_section, memory.report_section, compare.report_section,
-            sparse_frontier.report_section, depth_ablation.report_section, v41_prefill.report_section)
+SECTIONS = (
+    speed.report_section, kernels.report_section, memory.report_section, compare.report_section,
+    sparse_frontier.report_section, depth_ablation.report_section, v41_prefill.report_section,
+)
 
 
 def _fed_note(fed: dict[str, tuple[int, int]]) -> str:
@@ -38,24 +42,39 @@ def markdown(summary: dict) -> str:
         lines.append(_fed_note(s["fed"]))
         unusable = [t for t, ok in s["usable"].items() if not ok]
         if unusable:
-            lines.append(f"Tasks the uncompressed `bf16` reference scores below {USABLE:.0%} on (beyond this model; "
-                         f"shown, not used to rank): {', '.join(unusable)}.\n")
-        lines.append("`n` = instances per task (the first n, a range when tasks differ; `bf16 (first n)` is the "
-                     f"reference on those same instances). Failures (`fail: retr / reas`) count questions over the tasks every method here "
-                     f"ran: {', '.join(s['common'])}. `–` = not run.\n")
-        head = ["method", "family", "n", "B/token", "× smaller", "retrieval"] + tasks + \
-               ["fail: retr / reas", "KL", "top-1", "Δppl", "B read/step", "prefill s", "decode s/tok", "peak RSS MB"]
+            lines.append(
+                f"Tasks the uncompressed `bf16` reference scores below {USABLE:.0%} on (beyond this model; "
+                f"shown, not used to rank): {', '.join(unusable)}.\n"
+            )
+        lines.append(
+            "`n` = instances per task (the first n, a range when tasks differ; `bf16 (first n)` is the "
+            "reference on those same instances). Failures (`fail: retr / reas`) count questions over the "
+            f"tasks every method here ran: {', '.join(s['common'])}. `–` = not run.\n"
+        )
+        head = (
+            ["method", "family", "n", "B/token", "× smaller", "retrieval"]
+            + tasks
+            + [
+                "fail: retr / reas", "KL", "top-1", "Δppl", "B read/step", "prefill s", "decode s/tok",
+                "peak RSS MB",
+            ]
+        )
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         order = sorted(s["methods"].items(), key=lambda kv: -kv[1]["kv_bytes_per_token"])
         for m, r in order:
             n = str(r["n"]) if r["n"] == r["n_max"] else f"{r['n']}–{r['n_max']}"
-            cells = [f"`{m}`", r["family"], n, fmt(r["kv_bytes_per_token"], "{:,.0f}"), fmt(r["compression"]),
-                     fmt(r["retrieval"])]
+            cells = [
+                f"`{m}`", r["family"], n, fmt(r["kv_bytes_per_token"], "{:,.0f}"), fmt(r["compression"]),
+                fmt(r["retrieval"]),
+            ]
             cells += [fmt(r["per_task"][t]) for t in tasks]
-            cells += [f"{r['fail_retrieval']} / {r['fail_reasoning']}", fmt(r["kl"], "{:.4f}"), fmt(r["top1"]),
-                      fmt(r["ppl_change"], "{:+.2%}"), fmt(r["bytes_read_per_step"], "{:,.0f}"), fmt(r["prefill_s"]),
-                      fmt(r["decode_s_per_token"], "{:.3f}"), fmt(r["peak_rss_mb"], "{:,.0f}")]
+            cells += [
+                f"{r['fail_retrieval']} / {r['fail_reasoning']}", fmt(r["kl"], "{:.4f}"), fmt(r["top1"]),
+                fmt(r["ppl_change"], "{:+.2%}"), fmt(r["bytes_read_per_step"], "{:,.0f}"),
+                fmt(r["prefill_s"]), fmt(r["decode_s_per_token"], "{:.3f}"),
+                fmt(r["peak_rss_mb"], "{:,.0f}"),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -73,19 +92,26 @@ def compact(summary: dict) -> str:
         for k in keys:
             r = summary[k]["methods"].get(m)
             ref = summary[k]["methods"].get("bf16")
-            read = (r["bytes_read_per_step"] / ref["bytes_read_per_step"]
-                    if r and ref and r["bytes_read_per_step"] and ref["bytes_read_per_step"] else None)
-            cells.append("–" if r is None else
-                         f"{fmt(r['compression'])} / {fmt(read, '{:.0%}')} / {fmt(r['retrieval'])} / {fmt(r['top1'])}")
+            read = (
+                r["bytes_read_per_step"] / ref["bytes_read_per_step"]
+                if r and ref and r["bytes_read_per_step"] and ref["bytes_read_per_step"]
+                else None
+            )
+            cells.append(
+                "–"
+                if r is None
+                else f"{fmt(r['compression'])} / {fmt(read, '{:.0%}')} / {fmt(r['retrieval'])} / "
+                f"{fmt(r['top1'])}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plots(summary: dict, out: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (the bench extra)
 
     paths = []
     for (model, length), s in summary.items():
@@ -95,7 +121,9 @@ def plots(summary: dict, out: Path) -> list[Path]:
             if y is None:
                 continue
             ax.scatter(r["kv_bytes_per_token"], y, color=FAMILY_COLOURS.get(r["family"], "tab:gray"), s=40)
-            ax.annotate(m, (r["kv_bytes_per_token"], y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.annotate(
+                m, (r["kv_bytes_per_token"], y), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
         ax.set_xscale("log")
         ax.set_xlabel("stored KV bytes per token (log)")
         ax.set_ylabel("retrieval score (usable tasks)")
@@ -128,10 +156,15 @@ def write_report(out: Path, skip_bad: bool = False) -> Path:
     if not rows:
         raise ValueError(f"{out}/results.jsonl has no rows")
     summary = summarise(rows)
-    runs = json.loads((out / "meta.json").read_text()).get("runs", [{}]) if (out / "meta.json").exists() else [{}]
+    runs = (
+        json.loads((out / "meta.json").read_text()).get("runs", [{}])
+        if (out / "meta.json").exists()
+        else [{}]
+    )
     meta = runs[-1]
-    note = _protocol_note(meta) + (f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n"
-                                   if skipped else "")
+    note = _protocol_note(meta) + (
+        f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n" if skipped else ""
+    )
     given = ReportInput(out, rows, summary, skip_bad)
     md = ["# kvstrata benchmark report\n", note, markdown(summary)] + [section(given) for section in SECTIONS]
     sections = "\n".join(md[2:])
@@ -146,22 +179,30 @@ def write_report(out: Path, skip_bad: bool = False) -> Path:
 
 
 def _protocol_note(meta: dict) -> str:
-    return ("Context first, question after: the context is prefilled once in full precision, each method builds its "
-            "cache from it (keep policy, then encoding), the question is fed and the answer decoded greedily reading "
-            "only that cache. Retrieval = mean string-match score over the usable RULER-style tasks; a failed chain "
-            "question is tagged `reasoning` when every single-hop probe of its links passed, else `retrieval`. "
-            "Fidelity (KL, top-1, Δppl) is measured on natural-text continuations against the uncompressed cache. "
-            "B read/step = bytes a dense decode step reads (every entry held). Times are wall-clock on this machine "
-            f"(torch {meta.get('torch', '?')}, {meta.get('threads', '?')} threads); compare them within one run.\n")
+    return (
+        "Context first, question after: the context is prefilled once in full precision, each method "
+        "builds its cache from it (keep policy, then encoding), the question is fed and the answer decoded "
+        "greedily reading only that cache. Retrieval = mean string-match score over the usable RULER-style "
+        "tasks; a failed chain question is tagged `reasoning` when every single-hop probe of its links "
+        "passed, else `retrieval`. Fidelity (KL, top-1, Δppl) is measured on natural-text continuations "
+        "against the uncompressed cache. B read/step = bytes a dense decode step reads (every entry held). "
+        f"Times are wall-clock on this machine (torch {meta.get('torch', '?')}, {meta.get('threads', '?')} "
+        "threads); compare them within one run.\n"
+    )
 
 
 def _img(path: Path) -> str:
-    return f'<img src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}" style="max-width:100%">'
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img src="data:image/png;base64,{data}" style="max-width:100%">'
 
 
 def _html(intro: str, table_md: str, pngs: list[Path], base: Path) -> str:
     """One self-contained page: tables as HTML, every plot (main and sections') embedded."""
-    body = [f"<p>{html.escape(line)}</p>" for line in intro.splitlines() if line.strip() and not line.startswith("#")]
+    body = [
+        f"<p>{html.escape(line)}</p>"
+        for line in intro.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     rows_html = []
     lines = table_md.splitlines()
     for i, line in enumerate(lines):
@@ -173,7 +214,9 @@ def _html(intro: str, table_md: str, pngs: list[Path], base: Path) -> str:
         elif line.startswith("|") and "---" not in line:
             header = i + 1 < len(lines) and lines[i + 1].startswith("|---")
             tag = "th" if header else "td"
-            cells = "".join(f"<{tag}>{html.escape(c.strip().strip('`'))}</{tag}>" for c in line.strip("|").split("|"))
+            cells = "".join(
+                f"<{tag}>{html.escape(c.strip().strip('`'))}</{tag}>" for c in line.strip("|").split("|")
+            )
             rows_html.append(f"<tr>{cells}</tr>")
         elif line.strip():
             rows_html.append(f"<p>{html.escape(line)}</p>")
@@ -186,6 +229,10 @@ def _html(intro: str, table_md: str, pngs: list[Path], base: Path) -> str:
         out.append(item)
     table = "\n".join(out + (["</table>"] if in_table else []))
     imgs = "".join(_img(p) for p in pngs)
-    style = "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ccc;padding:3px 6px}"
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvstrata report</title><style>{style}</style></head>"
-            f"<body><h1>kvstrata benchmark report</h1>{''.join(body)}{table}{imgs}</body></html>")
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}"
+             "td,th{border:1px solid #ccc;padding:3px 6px}")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>kvstrata "
+        f"report</title><style>{style}</style></head><body><h1>kvstrata benchmark "
+        f"report</h1>{''.join(body)}{table}{imgs}</body></html>"
+    )

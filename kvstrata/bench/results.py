@@ -24,7 +24,8 @@ def load_rows(out: Path, skip_bad: bool = False) -> list[dict]:
 def load_results(out: Path, skip_bad: bool) -> tuple[list[dict], int]:
     path = out / "results.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{out} holds no benchmark results ({path.name} is missing): run `kvstrata bench --out {out}` first")
+        raise FileNotFoundError(f"{out} holds no benchmark results ({path.name} is missing): run `kvstrata "
+                                f"bench --out {out}` first")
     return read_rows(path, skip_bad)
 
 
@@ -45,7 +46,8 @@ def summarise(rows: list[dict]) -> dict:
         tasks = sorted({r["task"] for r in rs}, key=lambda t: (RETRIEVAL + REASONING + FIDELITY).index(t))
         ref = [r for r in rs if r["method"] == "bf16"]
         rs = rs + reference_subsets(rs, ref)
-        usable = {t: (avg([r["score"] for r in ref if r["task"] == t]) or 0) >= USABLE for t in tasks if t not in FIDELITY}
+        usable = {t: (avg([r["score"] for r in ref if r["task"] == t]) or 0)
+                      >= USABLE for t in tasks if t not in FIDELITY}
         methods = {}
         names = list(dict.fromkeys(r["method"] for r in rs))
         # failures are compared over the tasks every method ran (extra methods may skip some)
@@ -60,8 +62,10 @@ def summarise(rows: list[dict]) -> dict:
                 "family": mr[0]["family"],
                 "n": min(per_count),
                 "n_max": max(per_count),
-                "kv_bytes_per_token": avg([r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY] or
-                                           [r["kv_bytes_per_token"] for r in mr]),
+                "kv_bytes_per_token": avg(
+                    [r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY]
+                    or [r["kv_bytes_per_token"] for r in mr]
+                ),
                 "compression": avg([r["compression"] for r in mr]),
                 "retrieval": avg(ranked),
                 "per_task": per_task,
@@ -70,14 +74,18 @@ def summarise(rows: list[dict]) -> dict:
                 "kl": avg([r.get("kl") for r in fid]),
                 "top1": avg([r.get("top1") for r in fid]),
                 "ppl_change": avg([r["ppl"] / r["ref_ppl"] - 1 for r in fid]) if fid else None,
-                "bytes_read_per_step": avg([r["bytes_read_per_step"] for r in mr if r["task"] not in FIDELITY]),
+                "bytes_read_per_step": avg(
+                    [r["bytes_read_per_step"] for r in mr if r["task"] not in FIDELITY]
+                ),
                 "prefill_s": avg([r["prefill_s"] for r in mr]),
                 "compress_s": avg([r["compress_s"] for r in mr]),
                 "decode_s_per_token": avg([r["decode_s_per_token"] for r in mr]),
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in mr),
             }
-        out[key] = {"methods": methods, "usable": usable, "tasks": tasks, "n": max(count(rs, t) for t in tasks),
-                    "common": sorted(common - set(FIDELITY)), "fed": fed_lengths(rs)}
+        out[key] = {
+            "methods": methods, "usable": usable, "tasks": tasks, "n": max(count(rs, t) for t in tasks),
+            "common": sorted(common - set(FIDELITY)), "fed": fed_lengths(rs),
+        }
     return out
 
 
@@ -103,7 +111,12 @@ def reference_subsets(rs: list[dict], ref: list[dict]) -> list[dict]:
     for r in rs:
         by_method[r["method"]].append(r)
     fewer = {min(counts(mr)) for mr in by_method.values()}
-    return [dict(r, method=f"bf16 (first {n})") for n in sorted(k for k in fewer if k < full) for r in ref if r["index"] < n]
+    return [
+        dict(r, method=f"bf16 (first {n})")
+        for n in sorted(k for k in fewer if k < full)
+        for r in ref
+        if r["index"] < n
+    ]
 
 
 def count(rs, task):

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from kvstrata.bench.tasks import FIDELITY, TASKS
+from kvstrata.textfile import read_text_file
 
 ROWS_MAX_BYTES = 1 << 30
 SHOWN = 5  # bad lines named in the error message
@@ -60,7 +61,6 @@ def row_problem(row) -> str | None:
 
 def read_rows(path: Path, skip_bad: bool = False) -> tuple[list[dict], int]:
     """(rows, skipped) from a results.jsonl; raises BadRows naming its bad lines unless `skip_bad`."""
-    from kvstrata.textfile import read_text_file
 
     rows, bad = [], []
     for number, line in enumerate(read_text_file(path, str(path), ROWS_MAX_BYTES).splitlines(), 1):
@@ -79,5 +79,6 @@ def read_rows(path: Path, skip_bad: bool = False) -> tuple[list[dict], int]:
     if bad and not skip_bad:
         shown = "; ".join(f"line {n}: {why}" for n, why in bad[:SHOWN])
         more = f"; and {len(bad) - SHOWN} more" if len(bad) > SHOWN else ""
-        raise BadRows(f"{path}: {len(bad)} bad row(s) ({shown}{more}); fix them, or pass --skip-bad to leave them out")
+        raise BadRows(f"{path}: {len(bad)} bad row(s) ({shown}{more}); fix them, or pass --skip-bad to leave "
+                      "them out")
     return rows, len(bad)

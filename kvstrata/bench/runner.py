@@ -10,22 +10,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm import tqdm
 
 from kvstrata.bench import protocol
 from kvstrata.bench.peers import is_peer, parse_peer, qcache
-from kvstrata.bench.tasks import (FIDELITY, REASONING, RETRIEVAL, TASKS, check_fed, make_instance, score_answer,
-                                  tag_failure)
+from kvstrata.bench.peers.worker_client import run_kvpress
+from kvstrata.bench.tasks import (
+    FIDELITY,
+    REASONING,
+    RETRIEVAL,
+    TASKS,
+    check_fed,
+    make_instance,
+    score_answer,
+    tag_failure,
+)
 from kvstrata.hf.run import bf16_bytes_per_token
 from kvstrata.methods import parse_method
+from kvstrata.models import load
+from kvstrata.read.kernels import cpu
 
 # Eviction budgets match the quantizers' bytes per token: fp8 ~0.53, nvfp4/mxfp4 ~0.28, int2 ~0.19 of bf16.
 DEFAULT_METHODS = (
     "dynamic", "bf16", "fp8", "int4:r=32", "int2:r=32", "mxfp4", "nvfp4",
     "streaming:keep=0.53", "streaming:keep=0.28", "snapkv:keep=0.53", "snapkv:keep=0.28", "snapkv:keep=0.19",
 )
-QUICK = dict(models=("smollm2-135m",), lengths=(2048,), n=2,
-             methods=("dynamic", "bf16", "fp8", "int2:r=32", "mxfp4", "nvfp4", "streaming:keep=0.28", "snapkv:keep=0.28"))
+QUICK = dict(
+    models=("smollm2-135m",), lengths=(2048,), n=2,
+    methods=(
+        "dynamic", "bf16", "fp8", "int2:r=32", "mxfp4", "nvfp4", "streaming:keep=0.28", "snapkv:keep=0.28",
+    ),
+)
 
 
 @dataclass
@@ -79,7 +95,6 @@ def _done(path: Path) -> set[tuple]:
 
 def run(cfg: BenchConfig, load_model=None) -> Path:
     """Run every missing cell; returns the JSONL path."""
-    from kvstrata.models import load
 
     for t in cfg.tasks:
         if t not in TASKS:
@@ -96,8 +111,6 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     todo = [c for c in cells if any((*c, meth) not in done for meth in in_process)]
     _write_meta(cfg)
     if todo:  # build (or load) the decode kernel now, so its one-time build is never timed as decode
-        from kvstrata.read.kernels import cpu
-
         cpu.load()
     bar = tqdm(total=len(todo), desc="bench cells", unit="cell")
     loaded: dict[str, tuple] = {}
@@ -114,8 +127,6 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
             bar.update(1)
     bar.close()
     if workers:
-        from kvstrata.bench.peers.worker_client import run_kvpress
-
         run_kvpress(cfg, cells, workers, done, path)
     return path
 
@@ -123,7 +134,8 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
 def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -> list[dict]:
     inst = make_instance(task, tok, length, index, cfg.seed, cfg.haystack)
     ids = tok(inst.context, return_tensors="pt").input_ids
-    base = cell_base(model, model_name, length, inst, ids.shape[1], None)  # refuses a context of the wrong length
+    # refuses a context of the wrong length
+    base = cell_base(model, model_name, length, inst, ids.shape[1], None)
     pre = protocol.prefill(model, ids)
     base["prefill_s"] = pre.seconds
     rows = []
@@ -138,14 +150,23 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
             row["peer"] = qcache.describe(peer)
         try:
             if task in FIDELITY:
-                res = (qcache.fidelity(model, pre, peer, cont, ref) if peer else
-                       protocol.fidelity_dynamic(model, pre, cont, ref) if method == protocol.DYNAMIC else
-                       protocol.fidelity(model, pre, specs[method], cont, ref))
+                res = (
+                    qcache.fidelity(model, pre, peer, cont, ref)
+                    if peer
+                    else protocol.fidelity_dynamic(model, pre, cont, ref)
+                    if method == protocol.DYNAMIC
+                    else protocol.fidelity(model, pre, specs[method], cont, ref)
+                )
                 row.update(res, score=res["top1"], failure=None)
             else:
-                answers = [qcache.ask(model, tok, pre, peer, q) if peer else
-                           protocol.ask_dynamic(model, tok, pre, q) if method == protocol.DYNAMIC else
-                           protocol.ask(model, tok, pre, specs[method], q) for q in inst.questions]
+                answers = [
+                    qcache.ask(model, tok, pre, peer, q)
+                    if peer
+                    else protocol.ask_dynamic(model, tok, pre, q)
+                    if method == protocol.DYNAMIC
+                    else protocol.ask(model, tok, pre, specs[method], q)
+                    for q in inst.questions
+                ]
                 answered(row, inst, answers)
         except Exception as exc:
             if peer is None:
@@ -162,23 +183,34 @@ def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s:
     the context as fed, refused (ValueError) unless it fits the nominal `length` (`check_fed`)."""
     check_fed(inst, length, tokens)
     task = inst.task
-    return {"model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
-            "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens, "prefill_s": prefill_s,
-            "kind": "retrieval" if task in RETRIEVAL else "reasoning" if task in REASONING else "fidelity",
-            "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
-            **{k: v for k, v in inst.meta.items() if k == "hops"}}
+    return {
+        "model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
+        "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
+        "prefill_s": prefill_s,
+        "kind": "retrieval" if task in RETRIEVAL else "reasoning" if task in REASONING else "fidelity",
+        "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
+        **{k: v for k, v in inst.meta.items() if k == "hops"},
+    }
 
 
 def answered(row: dict, inst, answers: list[dict]) -> dict:
     """Score the answers to an instance's questions (main first, then probes) into `row`."""
     scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
     main = answers[0]
-    row.update({k: main[k] for k in ("kv_bytes", "compress_s", "question_s", "decode_s_per_token",
-                                     "bytes_read_per_step", "dense_bytes_read_per_step", "kv_bytes_in_memory",
-                                     "head_modes", "head_mode_map")
-                if k in main})
-    row.update(output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
-               probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], inst.task))
+    row.update(
+        {
+            k: main[k]
+            for k in (
+                "kv_bytes", "compress_s", "question_s", "decode_s_per_token", "bytes_read_per_step",
+                "dense_bytes_read_per_step", "kv_bytes_in_memory", "head_modes", "head_mode_map",
+            )
+            if k in main
+        }
+    )
+    row.update(
+        output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
+        probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], inst.task),
+    )
     return row
 
 
@@ -198,12 +230,12 @@ def costed(row: dict, tokens: int) -> dict:
 
 
 def _write_meta(cfg: BenchConfig) -> None:
-    import transformers
 
     meta = {
-        "plan": cfg.plan(), "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n,
-        "seed": cfg.seed, "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "machine": platform.machine(), "python": platform.python_version(),
+        "plan": cfg.plan(), "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n, "seed": cfg.seed,
+        "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     path = cfg.out / "meta.json"

@@ -10,10 +10,10 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from kvstrata.bench.results import ReportInput
 from kvstrata.bench.tasks import RETRIEVAL
 from kvstrata.codecs import spec_of
 from kvstrata.methods import parse_method
-from kvstrata.bench.results import ReportInput
 
 TARGET_READ, TARGET_SLACK, TARGET_LENGTH = 0.10, 0.01, 8192
 
@@ -42,13 +42,23 @@ def points(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
             if not mine:
                 continue
             base = [ref[(r["task"], r["index"])] for r in mine]
-            pts.append({"method": m, **knobs(m), "n": len(mine), "tasks": sorted({r["task"] for r in mine}),
-                        "read": mean(r["bytes_read_per_step"] for r in mine) / mean(b["bytes_read_per_step"] for b in base),
-                        "retrieval": mean(r["score"] for r in mine), "ref": mean(b["score"] for b in base)})
+            pts.append(
+                {
+                    "method": m, **knobs(m), "n": len(mine), "tasks": sorted({r["task"] for r in mine}),
+                    "read": mean(r["bytes_read_per_step"] for r in mine)
+                    / mean(b["bytes_read_per_step"] for b in base),
+                    "retrieval": mean(r["score"] for r in mine),
+                    "ref": mean(b["score"] for b in base),
+                }
+            )
         if pts:
             for p in pts:
-                p["frontier"] = not any(o["read"] <= p["read"] and o["retrieval"] >= p["retrieval"] and
-                                        (o["read"] < p["read"] or o["retrieval"] > p["retrieval"]) for o in pts)
+                p["frontier"] = not any(
+                    o["read"] <= p["read"]
+                    and o["retrieval"] >= p["retrieval"]
+                    and (o["read"] < p["read"] or o["retrieval"] > p["retrieval"])
+                    for o in pts
+                )
             out[key] = sorted(pts, key=lambda p: p["read"])
     return out
 
@@ -60,30 +70,43 @@ def verdict(pts: list[dict], length: int) -> str:
     where = "target" if length >= TARGET_LENGTH else "target (set at 8k; shown here for reference)"
     if ok:
         return f"{where} met: " + ", ".join(f"`{p['method']}` ({p['read']:.1%} read)" for p in ok) + "."
-    tail = f"the least read within 1 point of bf16 is `{best['method']}` at {best['read']:.1%}." if best else \
-        "no sparse method is within 1 point of bf16."
+    tail = (
+        f"the least read within 1 point of bf16 is `{best['method']}` at {best['read']:.1%}."
+        if best
+        else "no sparse method is within 1 point of bf16."
+    )
     return f"{where} not met: " + tail
 
 
 def plot(key: tuple[str, int], pts: list[dict], out: Path) -> Path:
-    import matplotlib
+    import matplotlib  # optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency (the bench extra)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in pts:
-        ax.scatter(p["read"], p["retrieval"] - p["ref"], marker="*" if p["frontier"] else "o", s=70 if p["frontier"] else 30,
-                   color="tab:purple" if p["indexer"].startswith("lowrank") else "tab:blue" if p["indexer"] == "lightning"
-                   else "tab:gray")
-        ax.annotate(f"{p['schedule']} k={p['k']}", (p["read"], p["retrieval"] - p["ref"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+        ax.scatter(
+            p["read"], p["retrieval"] - p["ref"], marker="*" if p["frontier"] else "o",
+            s=70 if p["frontier"] else 30,
+            color="tab:purple"
+            if p["indexer"].startswith("lowrank")
+            else "tab:blue"
+            if p["indexer"] == "lightning"
+            else "tab:gray",
+        )
+        ax.annotate(
+            f"{p['schedule']} k={p['k']}", (p["read"], p["retrieval"] - p["ref"]), fontsize=7,
+            xytext=(3, 3), textcoords="offset points",
+        )
     ax.axvline(TARGET_READ, color="tab:red", lw=0.8, ls="--")
     ax.axhline(-TARGET_SLACK, color="tab:red", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("bytes read per decode step, share of bf16 dense (log)")
     ax.set_ylabel("retrieval − bf16 (same instances)")
-    ax.set_title(f"{key[0]} @ {key[1]}: sparse reads (★ frontier; grey exact, blue lightning, purple lowrank)")
+    ax.set_title(
+        f"{key[0]} @ {key[1]}: sparse reads (★ frontier; grey exact, blue lightning, purple lowrank)"
+    )
     fig.tight_layout()
     path = out / f"sparse_{key[0]}_{key[1]}.png"
     fig.savefig(path, dpi=110)
@@ -97,17 +120,25 @@ def report_section(given: ReportInput) -> str:
     found = points(given.rows)
     if not found:
         return ""
-    lines = ["## Sparse reads: bytes read per decode step against retrieval\n",
-             "Each top-k method against bf16 on exactly the retrieval instances it ran (`n` questions). `read` = its "
-             "bytes read per decode step (index keys scanned + entries gathered, plus layers left dense) over bf16's "
-             "dense read on the same instances. ★ = on the frontier (nothing reads less and retrieves more).\n"]
+    lines = [
+        "## Sparse reads: bytes read per decode step against retrieval\n",
+        "Each top-k method against bf16 on exactly the retrieval instances it ran (`n` questions). `read` "
+        "= its bytes read per decode step (index keys scanned + entries gathered, plus layers left dense) "
+        "over bf16's dense read on the same instances. ★ = on the frontier (nothing reads less and "
+        "retrieves more).\n",
+    ]
     for key, pts in sorted(found.items()):
-        lines += [f"### {key[0]}, {key[1]} tokens\n", verdict(pts, key[1]) + "\n",
-                  "| method | k | schedule | indexer | store | n | tasks | read | retrieval | bf16 | frontier |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {key[0]}, {key[1]} tokens\n",
+            verdict(pts, key[1]) + "\n",
+            "| method | k | schedule | indexer | store | n | tasks | read | retrieval | bf16 | frontier |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for p in pts:
-            lines.append(f"| `{p['method']}` | {p['k']} | {p['schedule']} | {p['indexer']} | {p['store']} | {p['n']} | "
-                         f"{', '.join(p['tasks'])} | {p['read']:.1%} | {p['retrieval']:.2f} | {p['ref']:.2f} | "
-                         f"{'★' if p['frontier'] else ''} |")
+            lines.append(
+                f"| `{p['method']}` | {p['k']} | {p['schedule']} | {p['indexer']} | {p['store']} | {p['n']} "
+                f"| {', '.join(p['tasks'])} | {p['read']:.1%} | {p['retrieval']:.2f} | {p['ref']:.2f} | "
+                f"{'★' if p['frontier'] else ''} |"
+            )
         lines.append(f"\n![sparse {key[0]} {key[1]}]({plot(key, pts, out).name})\n")
     return "\n".join(lines)

@@ -6,19 +6,22 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import mean
 
-from kvstrata.bench.tasks import RETRIEVAL
 from kvstrata.bench.results import ReportInput
+from kvstrata.bench.tasks import RETRIEVAL
 
 REFS = ("dynamic", "bf16")
 
 
 def ratios(rows: list[dict]) -> dict:
-    """{(model, length): {method: {"n": cells, "s": mean s/token, ref: ratio or None}}} over retrieval rows."""
+    """{(model, length): {method: {"n": cells, "s": mean s/token, ref: ratio or None}}}, over the
+    retrieval rows."""
     cells = defaultdict(dict)  # (model, length) -> {(task, index): {method: s/token}}
     for r in rows:
         if r.get("error") or r["task"] not in RETRIEVAL or not r.get("decode_s_per_token"):
             continue
-        cells[(r["model"], r["length"])].setdefault((r["task"], r["index"]), {})[r["method"]] = r["decode_s_per_token"]
+        cells[(r["model"], r["length"])].setdefault((r["task"], r["index"]), {})[r["method"]] = r[
+            "decode_s_per_token"
+        ]
     out = {}
     for key, by_cell in sorted(cells.items()):
         methods = list(dict.fromkeys(m for c in by_cell.values() for m in c))
@@ -38,14 +41,20 @@ def report_section(given: ReportInput) -> str:
     table = ratios(given.rows)
     if not any("dynamic" in t for t in table.values()):
         return ""
-    lines = ["## Decode speed\n",
-             "Decode seconds per token on the retrieval tasks, as a multiple of the stock `dynamic` row "
-             "(transformers' DynamicCache, the model's own attention, no kvstrata code) and of our `bf16`, each "
-             "on the cells both ran in the same run. `n` = cells (task instances).\n"]
+    lines = [
+        "## Decode speed\n",
+        "Decode seconds per token on the retrieval tasks, as a multiple of the stock `dynamic` row "
+        "(transformers' DynamicCache, the model's own attention, no kvstrata code) and of our `bf16`, each "
+        "on the cells both ran in the same run. `n` = cells (task instances).\n",
+    ]
     for (model, length), t in table.items():
         if "dynamic" not in t:
             continue
-        lines += [f"### {model} @ {length}\n", "| method | n | s/token | × dynamic | × bf16 |", "|---|---|---|---|---|"]
+        lines += [
+            f"### {model} @ {length}\n",
+            "| method | n | s/token | × dynamic | × bf16 |",
+            "|---|---|---|---|---|",
+        ]
         for m, e in t.items():
             f = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
             lines.append(f"| `{m}` | {e['n']} | {e['s']:.3f} | {f(e['dynamic'])} | {f(e['bf16'])} |")
@@ -53,8 +62,10 @@ def report_section(given: ReportInput) -> str:
     return "\n".join(lines)
 
 
-HEADLINE = ("dynamic", "bf16", "fp8", "int4:r=32", "nvfp4", "mxfp4", "int2:r=32", "streaming:keep=0.28",
-            "snapkv:keep=0.28", "qcache:quanto:int4")
+HEADLINE = (
+    "dynamic", "bf16", "fp8", "int4:r=32", "nvfp4", "mxfp4", "int2:r=32", "streaming:keep=0.28",
+    "snapkv:keep=0.28", "qcache:quanto:int4",
+)
 
 
 def headline(summary: dict, rows: list[dict], keys: list[tuple[str, int]]) -> str:
@@ -71,7 +82,12 @@ def headline(summary: dict, rows: list[dict], keys: list[tuple[str, int]]) -> st
         for k in keys:
             r = summary[k]["methods"].get(m)
             speed = table.get(k, {}).get(m, {}).get("dynamic")
-            cells.append("–" if r is None else " / ".join(
-                "–" if v is None else f"{v:.2f}" for v in (r["compression"], r["retrieval"], speed)))
+            cells.append(
+                "–"
+                if r is None
+                else " / ".join(
+                    "–" if v is None else f"{v:.2f}" for v in (r["compression"], r["retrieval"], speed)
+                )
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -52,14 +52,16 @@ class Instance:
 
 def _word(rng: random.Random) -> str:
     return rng.choice(["apple", "river", "silver", "falcon", "maple", "harbor", "copper", "meadow", "violet",
-                       "thunder", "lantern", "orchid", "glacier", "cobalt", "saffron", "willow", "ember", "summit"])
+                       "thunder", "lantern", "orchid", "glacier", "cobalt", "saffron", "willow", "ember",
+                       "summit"])
 
 
 def _number(rng: random.Random) -> str:
     return str(rng.randint(10000, 99999))
 
 
-def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0, haystack: str = "noise") -> Instance:
+def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0,
+                  haystack: str = "noise") -> Instance:
     """Instance `index` of `task` at `n_tokens` tokens; same inputs, same instance.
 
     A question task's context plus its longest question is exactly `n_tokens` fed tokens; a
@@ -72,7 +74,8 @@ def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0
     try:
         ctx, depths = place(tokenizer, n_tokens - reserve, HEAD, needles, fractions, haystack, seed + index)
     except ValueError as exc:
-        raise ValueError(f"{task} #{index} at {n_tokens} tokens (its question takes {reserve}): {exc}") from None
+        raise ValueError(f"{task} #{index} at {n_tokens} tokens (its question takes {reserve}): "
+                         f"{exc}") from None
     return Instance(task, index, ctx, tuple(questions), meta={**meta, "depths": depths},
                     question_tokens=reserve, special_tokens=special_tokens(tokenizer))
 
@@ -93,7 +96,8 @@ def question_tokens(tokenizer, questions) -> int:
 def _single(rng: random.Random, index: int):
     key = _number(rng)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    return [needle], [Question("\nWhat is the pass key? Answer with the number.\nThe pass key is", (key,))], {}
+    question = Question("\nWhat is the pass key? Answer with the number.\nThe pass key is", (key,))
+    return [needle], [question], {}
 
 
 def _multikey(rng: random.Random, index: int):
@@ -136,13 +140,14 @@ def _vartrack(rng: random.Random, index: int):
     hops = 1 + index % 4
     names = [_var(rng) for _ in range(hops + 1)]
     value = _number(rng)
-    needles = [f"VAR {names[0]} = {value}. "] + [f"VAR {names[i + 1]} = VAR {names[i]}. " for i in range(hops)]
-    main = Question(f"\nQuestion: Follow the assignments. What is the value of VAR {names[-1]}? Answer with the number.\n"
-                    f"Answer: VAR {names[-1]} =", (value,))
-    probes = [Question(f"\nQuestion: What is VAR {names[0]} assigned? Answer with the number.\nAnswer: VAR {names[0]} =",
-                       (value,), role="probe")]
-    probes += [Question(f"\nQuestion: Which variable is VAR {names[i + 1]} assigned from?\nAnswer: VAR {names[i + 1]} = VAR",
-                        (names[i],), role="probe") for i in range(hops)]
+    needles = [f"VAR {names[0]} = {value}. "]
+    needles += [f"VAR {names[i + 1]} = VAR {names[i]}. " for i in range(hops)]
+    main = Question(f"\nQuestion: Follow the assignments. What is the value of VAR {names[-1]}? "
+                    f"Answer with the number.\nAnswer: VAR {names[-1]} =", (value,))
+    probes = [Question(f"\nQuestion: What is VAR {names[0]} assigned? Answer with the number.\n"
+                       f"Answer: VAR {names[0]} =", (value,), role="probe")]
+    probes += [Question(f"\nQuestion: Which variable is VAR {names[i + 1]} assigned from?\n"
+                        f"Answer: VAR {names[i + 1]} = VAR", (names[i],), role="probe") for i in range(hops)]
     return needles, [main, *probes], {"hops": hops}
 
 
@@ -161,8 +166,9 @@ def check_fed(inst: Instance, length: int, fed: int) -> None:
     than the instance's question and special tokens: its row would report a length it did not run at."""
     slack = inst.question_tokens + inst.special_tokens
     if abs(length - fed) > slack:
-        raise ValueError(f"{inst.uid} at length {length}: the context fed is {fed} tokens, {length - fed:+d} from "
-                         f"its nominal length, more than its question and special tokens ({slack}) allow")
+        raise ValueError(f"{inst.uid} at length {length}: the context fed is {fed} tokens, "
+                         f"{length - fed:+d} from its nominal length, more than its question and special "
+                         f"tokens ({slack}) allow")
 
 
 def score_answer(output: str, answers: tuple[str, ...]) -> float:

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 
 from kvstrata.hf.probe import probing
 from kvstrata.hf.run import forward
+from kvstrata.models import load
 from kvstrata.read.indexers import exact
 from kvstrata.text import natural_ids
 
@@ -46,12 +47,10 @@ def overlap_matrix(model, ids: torch.Tensor, k: int, queries: int = 8) -> tuple[
 
 
 def run(model_names: list[str], tokens: int, k: int, out: Path) -> dict:
-    import matplotlib
+    import matplotlib  # optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from kvstrata.models import load
+    import matplotlib.pyplot as plt  # optional dependency (the bench extra)
 
     out.mkdir(parents=True, exist_ok=True)
     result = {}
@@ -60,7 +59,8 @@ def run(model_names: list[str], tokens: int, k: int, out: Path) -> dict:
         ids = torch.tensor([natural_ids(tok, tokens, seed=5)])
         layers, m = overlap_matrix(model, ids, k)
         adjacent = [m[a, a + 1].item() for a in range(len(layers) - 1)]
-        result[name] = {"layers": layers, "k": k, "tokens": ids.shape[1], "overlap": m.tolist(), "adjacent": adjacent}
+        result[name] = {"layers": layers, "k": k, "tokens": ids.shape[1],
+            "overlap": m.tolist(), "adjacent": adjacent}
         fig, ax = plt.subplots(figsize=(6, 5))
         im = ax.imshow(m.numpy(), vmin=0, vmax=1, cmap="viridis")
         ax.set_xticks(range(len(layers)), layers, fontsize=6)

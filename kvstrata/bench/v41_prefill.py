@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from kvstrata.models.v41 import V41Cache, V41ForCausalLM, preset
 from kvstrata.bench.results import ReportInput
+from kvstrata.models.v41 import V41Cache, V41ForCausalLM, preset
 
 
 def _timed(model, ids) -> float:
@@ -58,16 +58,20 @@ def _train_lines(path, r: dict) -> list[str]:
     c, v, d = r["config"], r["models"]["v41"], r["models"]["dense"]
     what = (f"with `V41Config` overrides {', '.join(sorted(c['overrides']))}" if c.get("overrides")
             else "as published (scaled by depth)")
-    return [f"Associative recall after training both `{c['preset']}`-sized models the same way, V4.1's layout {what} "
-            f"({c['steps']} steps, batch {c['batch']}, {c['seq_len']} tokens, {c['pairs']} pairs over {c['vocab']} "
-            f"keys/values; chance {1 / c['vocab']:.3f}; `kvstrata train-ref --preset {c['preset']} --steps {c['steps']}"
-            f"{_override(c)} --out DIR/v41/{path.parent.name}`):\n",
-            "| model | parameters | recall (teacher-forced, top-k reads) | recall, every global entry read (as trained) "
-            "| recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | train s |",
+    return [f"Associative recall after training both `{c['preset']}`-sized models the same way, V4.1's "
+            f"layout {what} ({c['steps']} steps, batch {c['batch']}, {c['seq_len']} tokens, {c['pairs']} "
+            f"pairs over {c['vocab']} keys/values; chance {1 / c['vocab']:.3f}; `kvstrata train-ref "
+            f"--preset {c['preset']} --steps {c['steps']}{_override(c)} --out "
+            f"DIR/v41/{path.parent.name}`):\n",
+            "| model | parameters | recall (teacher-forced, top-k reads) | recall, every global entry read "
+            "(as trained) | recall from FP4 cache, half-depth prefill | final loss (V4.1: + indexer KL) | "
+            "train s |",
             "|---|---|---|---|---|---|---|",
-            f"| V4.1 (CSA2 + CED) | {v['parameters']:,} | {v['recall']:.3f} | {_f3(v.get('recall_dense_read'))} | "
-            f"{_f3(v.get('recall_cached_fp4'))} | {v['final_loss']:.3f} | {v['seconds']:.0f} |",
-            f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | – | {d['final_loss']:.3f} | {d['seconds']:.0f} |", ""]
+            f"| V4.1 (CSA2 + CED) | {v['parameters']:,} | {v['recall']:.3f} | "
+            f"{_f3(v.get('recall_dense_read'))} | {_f3(v.get('recall_cached_fp4'))} | {v['final_loss']:.3f} "
+            f"| {v['seconds']:.0f} |",
+            f"| dense transformer | {d['parameters']:,} | {d['recall']:.3f} | – | – | {d['final_loss']:.3f} "
+            f"| {d['seconds']:.0f} |", ""]
 
 
 def report_section(given: ReportInput) -> str:
@@ -75,14 +79,16 @@ def report_section(given: ReportInput) -> str:
     (`train-ref` first; '' when none was run into this directory)."""
     out = given.out
     pre = Path(out) / "v41" / "prefill.json"
-    runs = sorted((Path(out) / "v41").glob("*/train_ref.json"), key=lambda p: (p.parent.name != "train-ref", p.parent.name))
+    runs = sorted((Path(out) / "v41").glob("*/train_ref.json"),
+                  key=lambda p: (p.parent.name != "train-ref", p.parent.name))
     lines = []
     if pre.exists():
         r = json.loads(pre.read_text())
-        lines += [f"Half-depth (CED) prefill of {r['prompt_tokens']} tokens (16 x n_win = {r['n_win']}) on `{r['preset']}` "
-                  f"({r['layers']} layers): {r['ced_prefill_s']:.3f} s against {r['full_depth_prefill_s']:.3f} s for the "
-                  f"same weights without CED, ratio **{r['ratio']:.3f}** (median of {r['repeats']}; "
-                  "`kvstrata v41-prefill --preset small-v41 --factor 16 --out DIR/v41/prefill.json`).\n"]
+        lines += [f"Half-depth (CED) prefill of {r['prompt_tokens']} tokens (16 x n_win = {r['n_win']}) on "
+                  f"`{r['preset']}` ({r['layers']} layers): {r['ced_prefill_s']:.3f} s against "
+                  f"{r['full_depth_prefill_s']:.3f} s for the same weights without CED, ratio "
+                  f"**{r['ratio']:.3f}** (median of {r['repeats']}; `kvstrata v41-prefill --preset "
+                  "small-v41 --factor 16 --out DIR/v41/prefill.json`).\n"]
     for path in runs:
         lines += _train_lines(path, json.loads(path.read_text()))
     return "\n".join(["## V4.1 reference model\n", *lines]) if lines else ""

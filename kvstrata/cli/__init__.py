@@ -23,13 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate with a compressed KV cache")
     g.add_argument("--model", required=True, help="smollm2-135m, gemma3-270m, or a local model directory")
-    g.add_argument("--method", default="bf16", type=nonempty, help="method spec, e.g. nvfp4:r=64 or nvfp4;sliding=fp8")
+    g.add_argument("--method", default="bf16", type=nonempty,
+                   help="method spec, e.g. nvfp4:r=64 or nvfp4;sliding=fp8")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", type=nonempty)
     src.add_argument("--prompt-file", help="a UTF-8 text file (at most 16 MiB)")
-    g.add_argument("--max-new-tokens", type=int_in(1, BIG), default=32, help="with the prompt, within the model's context")
+    g.add_argument("--max-new-tokens", type=int_in(1, BIG), default=32,
+                   help="with the prompt, within the model's context")
     g.add_argument("--prefill-chunk", type=int_in(0, BIG), default=512,
-                   help="prompt tokens per prefill pass (bounds the prefill's transient memory; 0 = one pass)")
+                   help="prompt tokens per prefill pass (bounds the prefill's transient memory; 0 = one "
+                        "pass)")
     g.add_argument("--profile", type=int_in(1, 200), metavar="N",
                    help="print to stderr the N functions with the most self time, then kvstrata's N with the "
                         "most total time (cProfile)")
@@ -39,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     pk = sub.add_parser("passkey", help="answer a long-context passkey prompt through compressed caches")
     pk.add_argument("--model", required=True)
     pk.add_argument("--methods", default="bf16|nvfp4|mxfp4", type=nonempty, help="'|'-separated method specs")
-    pk.add_argument("--tokens", type=int_in(128, BIG), default=4000, help="context length, within the model's")
+    pk.add_argument("--tokens", type=int_in(128, BIG), default=4000,
+                    help="context length, within the model's")
     pk.add_argument("--depth", type=float_in(0, 1), default=0.5, help="relative position of the needle, 0..1")
     pk.add_argument("--seed", type=SEED, default=0)
     pk.set_defaults(func=c.cmd_passkey)
@@ -52,25 +56,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", help="comma-separated peer specs run on the same instances, or 'default': "
                    "kvpress:<press>:cr=<ratio> (own environment, created on first use) and "
                    "qcache:<quanto|hqq>:int<2|4> (transformers' QuantizedCache)")
-    b.add_argument("--tasks", help="comma-separated tasks: single,multikey,multivalue,multiquery,vartrack,fidelity")
+    b.add_argument("--tasks",
+                   help="comma-separated tasks: single,multikey,multivalue,multiquery,vartrack,fidelity")
     b.add_argument("--lengths", help="comma-separated context lengths in tokens (default 2048)")
     b.add_argument("--n", type=int_in(1, 100_000), help="instances per task and length (default 20)")
     b.add_argument("--seed", type=SEED, default=0)
     b.add_argument("--haystack", default="noise", choices=("noise", "natural"))
     b.add_argument("--out", default="runs/bench")
-    b.add_argument("--quick", action="store_true", help="SmolLM2-135M, 2k, 2 instances per task, 7 methods (< 10 min)")
+    b.add_argument("--quick", action="store_true",
+                   help="SmolLM2-135M, 2k, 2 instances per task, 7 methods (< 10 min)")
     b.set_defaults(func=c.cmd_bench)
 
     rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
     rp.add_argument("dir")
-    rp.add_argument("--skip-bad", action="store_true", help="leave out malformed rows of results.jsonl (counted in the "
-                    "report) instead of refusing the file")
+    rp.add_argument("--skip-bad", action="store_true",
+                    help="leave out malformed rows of results.jsonl (counted in the report) instead of "
+                         "refusing the file")
     rp.set_defaults(func=c.cmd_report)
 
     cl = sub.add_parser("check-lengths", help="list a bench directory's rows not fed at their nominal length")
     cl.add_argument("dir")
-    cl.add_argument("--drop", action="store_true", help="move them to DIR/short-rows.jsonl; rerunning their bench "
-                    "commands then redoes them")
+    cl.add_argument("--drop", action="store_true",
+                    help="move them to DIR/short-rows.jsonl; rerunning their bench commands then redoes them")
     cl.add_argument("--seed", type=int, help="the runs' seed (default: from DIR/meta.json)")
     cl.set_defaults(func=c.cmd_check_lengths)
 
@@ -82,14 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=c.cmd_accounting)
 
-    st = sub.add_parser("store", help="inspect the persistent KV store (config: --config TOML or KVSTRATA_STORE_*)")
+    st = sub.add_parser("store",
+                        help="inspect the persistent KV store (config: --config TOML or KVSTRATA_STORE_*)")
     st.add_argument("action", choices=("stats", "verify", "gc"))
     st.add_argument("--config", help="TOML file with a [store] table")
     st.set_defaults(func=c.cmd_store)
 
     sb = sub.add_parser("store-bench", help="persistent-store evidence: replay error, TTFT, tier throughput")
     sb.add_argument("--model", default="gemma3-270m")
-    sb.add_argument("--tokens", type=int_in(64, BIG), default=8192, help="prompt length, within the model's context")
+    sb.add_argument("--tokens", type=int_in(64, BIG), default=8192,
+                    help="prompt length, within the model's context")
     sb.add_argument("--method", default="bf16")
     sb.add_argument("--out", default="docs/results/store")
     sb.set_defaults(func=c.cmd_store_bench)
@@ -101,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--out", default="docs/results/depth")
     ds.set_defaults(func=c.cmd_depth_similarity)
 
-    da = sub.add_parser("depth-ablation", help="FreqDepthKV's G / F / r / tolerance / normalisation swept in the bench")
+    da = sub.add_parser("depth-ablation", help="FreqDepthKV G / F / r / tolerance / norm swept in the bench")
     da.add_argument("--model", default="smollm2-135m")
     da.add_argument("--length", type=int_in(64, BIG), default=2048)
     da.add_argument("--n", type=int_in(1, 100_000), default=3, help="instances per task")
@@ -109,14 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--out", default="docs/results", help="bench directory; rows go to OUT/depth-ablation")
     da.set_defaults(func=c.cmd_depth_ablation)
 
-    ch = sub.add_parser("chat", help="multi-turn session over the persistent store: hit / replay / miss per turn")
+    ch = sub.add_parser("chat",
+                        help="multi-turn session over the persistent store: hit / replay / miss per turn")
     ch.add_argument("--model", default="gemma3-270m")
     ch.add_argument("--method", default="nvfp4;sliding=fp8", type=nonempty)
-    ch.add_argument("--script", help="UTF-8 file of turns separated by lines of '---' (default: one turn per stdin line)")
+    ch.add_argument("--script",
+                    help="UTF-8 file of turns separated by lines of '---' (default: one turn per stdin line)")
     ch.add_argument("--config", help="store TOML ([store] table); env KVSTRATA_STORE_* also apply")
     ch.add_argument("--tenant", default="default", type=nonempty)
     ch.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=32)
-    ch.add_argument("--forget-swa-before", type=int_in(1, BIG), nargs="*", help="turn numbers before which the SWA pool is emptied")
+    ch.add_argument("--forget-swa-before", type=int_in(1, BIG), nargs="*",
+                    help="turn numbers before which the SWA pool is emptied")
     ch.set_defaults(func=c.cmd_chat)
 
     to = sub.add_parser("topk-overlap", help="top-k overlap between layers (evidence for Reuse schedules)")
@@ -126,14 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("--out", default="docs/results/read")
     to.set_defaults(func=c.cmd_topk_overlap)
 
-    vp = sub.add_parser("v41-prefill", help="V4.1 half-depth (CED) prefill time vs the same-size full-depth model")
+    vp = sub.add_parser("v41-prefill", help="V4.1 half-depth (CED) prefill vs the same-size full-depth model")
     vp.add_argument("--preset", default="small-v41")
     vp.add_argument("--factor", type=int_in(1, 1024), default=16, help="prompt length in units of n_win")
     vp.add_argument("--repeats", type=int_in(1, 1000), default=5)
     vp.add_argument("--out", help="write the measurement as JSON here")
     vp.set_defaults(func=c.cmd_v41_prefill)
 
-    tr = sub.add_parser("train-ref", help="train the tiny V4.1 model and a same-size dense transformer on recall")
+    tr = sub.add_parser("train-ref", help="train tiny V4.1 and a same-size dense transformer on recall")
     tr.add_argument("--preset", default="tiny-v41")
     tr.add_argument("--steps", type=int_in(1, 10**7), default=1500)
     tr.add_argument("--batch", type=int_in(1, 1 << 16), default=32)
@@ -147,32 +159,41 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=c.cmd_train_ref)
 
     serve.add_parsers(sub)  # serve, serve-bench
-    kb = sub.add_parser("kernels-bench", help="decode attention from encoded KV vs SDPA, 2k-64k tokens, + copy bandwidth")
-    kb.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536", help="comma-separated cached tokens")
-    kb.add_argument("--shapes", default="smollm2-135m,gemma3-270m", help="whose head shapes: smollm2-135m, gemma3-270m")
+    kb = sub.add_parser("kernels-bench",
+                        help="decode attention from encoded KV vs SDPA, 2k-64k tokens, + copy bandwidth")
+    kb.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536",
+                    help="comma-separated cached tokens")
+    kb.add_argument("--shapes", default="smollm2-135m,gemma3-270m",
+                    help="whose head shapes: smollm2-135m, gemma3-270m")
     kb.add_argument("--repeats", type=int_in(1, 1000), default=9)
     kb.add_argument("--out", default="docs/results/kernels")
     kb.set_defaults(func=c.cmd_kernels_bench)
 
-    mb = sub.add_parser("memory-bench", help="peak RSS of `generate` on a long prompt vs the KV it holds, per codec")
+    mb = sub.add_parser("memory-bench",
+                        help="peak RSS of `generate` on a long prompt vs the KV it holds, per codec")
     mb.add_argument("--model", default="smollm2-135m")
-    mb.add_argument("--tokens", type=int_in(16, BIG), default=8000, help="prompt tokens (with 8 new ones, within the context)")
-    mb.add_argument("--methods", default="bf16,fp8,int4:r=32,int2:r=32,mxfp4,nvfp4", help="comma-separated specs")
+    mb.add_argument("--tokens", type=int_in(16, BIG), default=8000,
+                    help="prompt tokens (with 8 new ones, within the context)")
+    mb.add_argument("--methods", default="bf16,fp8,int4:r=32,int2:r=32,mxfp4,nvfp4",
+                    help="comma-separated specs")
     mb.add_argument("--chunks", default="512,0", help="comma-separated --prefill-chunk values (0 = one pass)")
     mb.add_argument("--out", default="docs/results/kernels")
     mb.set_defaults(func=c.cmd_memory_bench)
 
     me = sub.add_parser("methods", help="list registered methods")
-    me.add_argument("--markdown", action="store_true", help="print docs/methods.md (generated from the registry)")
+    me.add_argument("--markdown", action="store_true",
+                    help="print docs/methods.md (generated from the registry)")
     me.set_defaults(func=c.cmd_methods)
-    sub.add_parser("models", help="list known models and whether they are installed").set_defaults(func=c.cmd_models)
+    sub.add_parser("models", help="list known models and whether they are installed").set_defaults(
+        func=c.cmd_models)
     return p
 
 
 def one_line(e: BaseException) -> str:
     """The first line of an error's message (allocation failures said as such)."""
     text = " ".join(next((ln for ln in str(e).splitlines() if ln.strip()), "").split()) or type(e).__name__
-    if isinstance(e, MemoryError) or "can't allocate memory" in text or type(e).__name__ == "OutOfMemoryError":
+    oom = type(e).__name__ == "OutOfMemoryError"
+    if isinstance(e, MemoryError) or "can't allocate memory" in text or oom:
         return f"out of memory ({text}): try a shorter input or fewer tokens"
     return text
 

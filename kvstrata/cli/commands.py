@@ -31,24 +31,25 @@ def cmd_models(args) -> int:
             state += ", converted"
         print(f"{m.name:<14} {state}\n  {m.description}")
     for t in TINY_MODELS.values():
-        print(f"{t.name:<14} built in: random weights for smoke tests, written on first use\n  {t.description}")
+        print(f"{t.name:<14} built in: random weights for smoke tests, written on first use\n  "
+              f"{t.description}")
     return 0
 
 
 def cmd_generate(args) -> int:
     from kvstrata.bench.protocol import peak_rss_mb
+    from kvstrata.cli.inputs import check_fits, prompt_text
     from kvstrata.hf.run import generate
     from kvstrata.methods import parse_method
     from kvstrata.models import load
-
-    from kvstrata.cli.inputs import check_fits, prompt_text
 
     spec = parse_method(args.method)  # fail fast, before the model loads
     prompt = prompt_text(args.prompt, args.prompt_file)
     model, tok = load(args.model)
     ids = tok(prompt, return_tensors="pt").input_ids
     check_fits(model, ids.shape[1], args.max_new_tokens)
-    run = functools.partial(generate, model, tok, ids, spec, args.max_new_tokens, prefill_chunk=args.prefill_chunk or None)
+    run = functools.partial(generate, model, tok, ids, spec, args.max_new_tokens,
+                            prefill_chunk=args.prefill_chunk or None)
     if args.profile:
         import cProfile
         import pstats
@@ -57,24 +58,28 @@ def cmd_generate(args) -> int:
         g = prof.runcall(run)
         stats = pstats.Stats(prof, stream=sys.stderr)
         stats.sort_stats("tottime").print_stats(args.profile)
-        stats.sort_stats("cumulative").print_stats(r"kvstrata[/\\](read|hf|codecs)", args.profile)  # ours, by total
+        stats.sort_stats("cumulative").print_stats(
+            r"kvstrata[/\\](read|hf|codecs)", args.profile)  # ours, by total
     else:
         g = run()
     if args.json:
         row = {
-            "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk,
-            "text": g.text, "method": str(spec), "model": args.model, "context_tokens": g.context_tokens,
-            "new_tokens": len(g.new_tokens), "kv_bytes": g.kv_bytes, "kv_bytes_per_token": g.kv_bytes_per_token,
+            "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk, "text": g.text,
+            "method": str(spec), "model": args.model, "context_tokens": g.context_tokens,
+            "new_tokens": len(g.new_tokens), "kv_bytes": g.kv_bytes,
+            "kv_bytes_per_token": g.kv_bytes_per_token,
             "kv_bytes_per_token_bf16": g.kv_bytes_per_token_bf16,
-            "compression_vs_bf16": g.kv_bytes_per_token_bf16 / g.kv_bytes_per_token if g.kv_bytes_per_token else None,
+            "compression_vs_bf16": g.kv_bytes_per_token_bf16 / g.kv_bytes_per_token
+            if g.kv_bytes_per_token
+            else None,
         }
         print(json.dumps(row))
     else:
         print(g.text)
         ratio = g.kv_bytes_per_token_bf16 / g.kv_bytes_per_token if g.kv_bytes_per_token else float("nan")
         print(
-            f"\n[{spec}] context {g.context_tokens} tokens; KV {g.kv_bytes_per_token:,.1f} B/token "
-            f"vs bf16 {g.kv_bytes_per_token_bf16:,.1f} B/token ({ratio:.2f}x smaller)",
+            f"\n[{spec}] context {g.context_tokens} tokens; KV {g.kv_bytes_per_token:,.1f} B/token vs bf16 "
+            f"{g.kv_bytes_per_token_bf16:,.1f} B/token ({ratio:.2f}x smaller)",
             file=sys.stderr,
         )
     return 0
@@ -82,11 +87,10 @@ def cmd_generate(args) -> int:
 
 def cmd_passkey(args) -> int:
     from kvstrata.bench.passkey import passkey_prompt
+    from kvstrata.cli.inputs import check_fits
     from kvstrata.hf.run import generate
     from kvstrata.methods import parse_method
     from kvstrata.models import load
-
-    from kvstrata.cli.inputs import check_fits
 
     specs = [parse_method(m) for m in args.methods.split("|")]
     _check_context(args.model, args.tokens, "--tokens")
@@ -99,8 +103,11 @@ def cmd_passkey(args) -> int:
         g = generate(model, tok, ids, spec, max_new_tokens=8)
         ok = p.answer in g.text
         ratio = g.kv_bytes_per_token_bf16 / g.kv_bytes_per_token
-        print(f"  {str(spec):<22} {'PASS' if ok else 'FAIL'}  answer={g.text.strip()[:24]!r:<28} "
-              f"KV {g.kv_bytes_per_token:>9,.1f} B/token ({ratio:.2f}x smaller than bf16)", flush=True)
+        print(
+            f"  {str(spec):<22} {'PASS' if ok else 'FAIL'}  answer={g.text.strip()[:24]!r:<28} KV "
+            f"{g.kv_bytes_per_token:>9,.1f} B/token ({ratio:.2f}x smaller than bf16)",
+            flush=True,
+        )
     return 0
 
 
@@ -116,9 +123,9 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def cmd_bench(args) -> int:
+    from kvstrata.bench.peers import DEFAULT_PEERS, parse_peer
     from kvstrata.bench.report import write_report
     from kvstrata.bench.runner import DEFAULT_METHODS, QUICK, BenchConfig, run
-    from kvstrata.bench.peers import DEFAULT_PEERS, parse_peer
     from kvstrata.bench.tasks import TASKS
     from kvstrata.methods import parse_method
     from kvstrata.models.loader import check as check_model
@@ -135,12 +142,20 @@ def cmd_bench(args) -> int:
     for p in peers:
         parse_peer(p)
     models = _csv(args.model) if args.model else q.get("models", ("smollm2-135m",))
-    lengths = tuple(_length(x, "--lengths") for x in _csv(args.lengths)) if args.lengths else q.get("lengths", (2048,))
+    lengths = (
+        tuple(_length(x, "--lengths") for x in _csv(args.lengths))
+        if args.lengths
+        else q.get("lengths", (2048,))
+    )
     pairs = []  # model@L1/L2 picks lengths per model
     for m in models:
         name, _, own = m.partition("@")
         check_model(name)  # fail before any model loads
-        pairs += [(name, _length(x, f"--model {m}")) for x in own.split("/")] if own else [(name, L) for L in lengths]
+        pairs += (
+            [(name, _length(x, f"--model {m}")) for x in own.split("/")]
+            if own
+            else [(name, L) for L in lengths]
+        )
     for name, L in pairs:
         _check_context(name, L, "--lengths" if not args.model or "@" not in args.model else "--model")
     cfg = BenchConfig(
@@ -240,8 +255,8 @@ def cmd_accounting(args) -> int:
         return 0
     from transformers import AutoConfig
 
-    from kvstrata.models import resolve
     from kvstrata.methods import parse_method
+    from kvstrata.models import resolve
 
     parse_method(args.method)
     config = AutoConfig.from_pretrained(resolve(args.model), local_files_only=True)
@@ -277,8 +292,10 @@ def cmd_depth_similarity(args) -> int:
     results = run(list(_csv(args.model)), args.tokens, args.group, Path(args.out))
     for name, r in results.items():
         mean = lambda rows: sum(map(sum, rows)) / sum(map(len, rows))  # noqa: E731
-        print(f"{name}: mean adjacent cosine K {mean(r['k_cos']):.3f} V {mean(r['v_cos']):.3f}; "
-              f"lowest-frequency energy (G={r['group']}) K {mean(r['k_low']):.3f} V {mean(r['v_low']):.3f}")
+        print(
+            f"{name}: mean adjacent cosine K {mean(r['k_cos']):.3f} V {mean(r['v_cos']):.3f}; "
+            f"lowest-frequency energy (G={r['group']}) K {mean(r['k_low']):.3f} V {mean(r['v_low']):.3f}"
+        )
     print(f"plots and JSON in {args.out}")
     return 0
 
@@ -299,12 +316,11 @@ def cmd_depth_ablation(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    from kvstrata.cli.inputs import SCRIPT_MAX_BYTES
     from kvstrata.models import load
     from kvstrata.place import KVStore, StoreConfig
     from kvstrata.place.chat import chat
     from kvstrata.place.serving import PrefixServer
-
-    from kvstrata.cli.inputs import SCRIPT_MAX_BYTES
     from kvstrata.textfile import read_text_file
 
     parse_method_early(args.method)
@@ -330,7 +346,10 @@ def cmd_topk_overlap(args) -> int:
         _check_context(name, args.tokens, "--tokens")
     for name, r in run(list(_csv(args.model)), args.tokens, args.k, Path(args.out)).items():
         adj = r["adjacent"]
-        print(f"{name}: mean top-{r['k']} overlap of adjacent full-attention layers {sum(adj) / max(len(adj), 1):.3f}")
+        print(
+            f"{name}: mean top-{r['k']} overlap of adjacent full-attention layers "
+            f"{sum(adj) / max(len(adj), 1):.3f}"
+        )
     return 0
 
 
@@ -338,8 +357,11 @@ def cmd_v41_prefill(args) -> int:
     from kvstrata.bench.v41_prefill import run
 
     r = run(args.preset, args.factor, args.repeats)
-    print(f"{r['preset']}: {r['prompt_tokens']} prompt tokens (= {args.factor} x n_win {r['n_win']}), {r['layers']} layers: "
-          f"half-depth prefill {r['ced_prefill_s']:.3f} s, full-depth {r['full_depth_prefill_s']:.3f} s, ratio {r['ratio']:.3f}")
+    print(
+        f"{r['preset']}: {r['prompt_tokens']} prompt tokens (= {args.factor} x n_win {r['n_win']}), "
+        f"{r['layers']} layers: half-depth prefill {r['ced_prefill_s']:.3f} s, full-depth "
+        f"{r['full_depth_prefill_s']:.3f} s, ratio {r['ratio']:.3f}"
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(r, indent=1))
@@ -362,12 +384,23 @@ def _overrides(text: str | None) -> dict:
 def cmd_train_ref(args) -> int:
     from kvstrata.models.v41.train import TrainConfig, run
 
-    r = run(TrainConfig(preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, pairs=args.pairs,
-                        seed=args.seed, eval_sequences=args.eval_sequences, overrides=_overrides(args.override)),
-            Path(args.out))
+    r = run(
+        TrainConfig(
+            preset=args.preset, steps=args.steps, batch=args.batch, seq_len=args.seq_len, pairs=args.pairs,
+            seed=args.seed, eval_sequences=args.eval_sequences, overrides=_overrides(args.override),
+        ),
+        Path(args.out),
+    )
     for name, m in r["models"].items():
-        extra = f", from the FP4 cache after half-depth prefill {m['recall_cached_fp4']:.3f}" if "recall_cached_fp4" in m else ""
-        print(f"{name}: recall {m['recall']:.3f}{extra} (loss {m['final_loss']:.3f}, {m['seconds']:.0f} s, {m['parameters']:,} params)")
+        extra = (
+            f", from the FP4 cache after half-depth prefill {m['recall_cached_fp4']:.3f}"
+            if "recall_cached_fp4" in m
+            else ""
+        )
+        print(
+            f"{name}: recall {m['recall']:.3f}{extra} (loss {m['final_loss']:.3f}, {m['seconds']:.0f} s, "
+            f"{m['parameters']:,} params)"
+        )
     print(f"checkpoints and train_ref.json in {args.out}")
     return 0
 

@@ -72,5 +72,5 @@ def check_fits(model, prompt_tokens: int, new_tokens: int, what: str = "the prom
         raise ValueError(f"{what} has no tokens")
     limit = context_tokens(model)
     if prompt_tokens + new_tokens > limit:
-        raise ValueError(f"{what} is {prompt_tokens:,} tokens; with {new_tokens:,} new tokens ({new_what}) that "
-                         f"exceeds the model's context of {limit:,} tokens")
+        raise ValueError(f"{what} is {prompt_tokens:,} tokens; with {new_tokens:,} new tokens ({new_what}) "
+                         f"that exceeds the model's context of {limit:,} tokens")

@@ -60,13 +60,14 @@ def markdown() -> str:
     bf16 = bytes_per_token("bf16")
     out = [HEADER]
     sections = (("store", "Store: how a kept entry is encoded"), ("keep", "Keep: which tokens stay"),
-                ("depth", "Depth sharing: KV shared across adjacent layers"), ("read", "Read: what a decode step reads"))
+                ("depth", "Depth sharing: KV shared across adjacent layers"), ("read", "Read: what a decode "
+                                                                                       "step reads"))
     for stratum, title in sections:
         names = [n for n, e in METHODS.items() if e.stratum == stratum]
         out.append(f"## {title}\n")
         if stratum == "store":
-            out.append("Bytes per token are SmolLM2-135M's (30 layers x 2 x 3 KV heads x 64 dims) for the encoded "
-                       "tokens, measured by encoding them; `r` full-precision tokens come on top.\n")
+            out.append("Bytes per token are SmolLM2-135M's (30 layers x 2 x 3 KV heads x 64 dims) for the "
+                       "encoded tokens, measured by encoding them; `r` full-precision tokens come on top.\n")
             out += ["| name | what | parameters (defaults) | SmolLM2 B/token | x smaller than bf16 |",
                     "|---|---|---|---|---|"]
             for n in names:

@@ -39,4 +39,5 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     return get_codec(fmt).encode(x)
 
 
-__all__ = ["BF16", "FP8", "INT2", "INT4", "MXFP4", "NVFP4", "FreqDepth", "MiniCache", "Codec", "QTensor", "build", "coerce_params", "get_codec", "quantize", "spec_of", "split_spec"]
+__all__ = ["BF16", "FP8", "INT2", "INT4", "MXFP4", "NVFP4", "FreqDepth", "MiniCache", "Codec",
+    "QTensor", "build", "coerce_params", "get_codec", "quantize", "spec_of", "split_spec"]

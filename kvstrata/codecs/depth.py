@@ -35,7 +35,9 @@ class FreqDepth:
     #: "probe" (per head, cheapest within tol) or one mode forced on every head (for ablations)
     mode: str = "probe"
     name: ClassVar[str] = "depth"
-    summary: ClassVar[str] = "FreqDepthKV: DCT depth sharing over g adjacent layers + sparse residuals, per-head probe"
+    summary: ClassVar[str] = (
+        "FreqDepthKV: DCT depth sharing over g adjacent layers + sparse residuals, per-head probe"
+    )
 
     start: ClassVar[float] = 0.0  # groups start at the first layer
 
@@ -45,16 +47,22 @@ class FreqDepth:
         if "modes" not in state and self.mode != "probe":
             state["modes"] = [self.mode] * k.shape[2]
         if "modes" not in state:
-            state["modes"] = [probe_mode(k[:, :, h : h + 1], v[:, :, h : h + 1], queries[:, :, h], self, codec)
-                              if queries is not None else "residual" for h in range(k.shape[2])]
+            state["modes"] = [
+                probe_mode(k[:, :, h : h + 1], v[:, :, h : h + 1], queries[:, :, h], self, codec)
+                if queries is not None
+                else "residual"
+                for h in range(k.shape[2])
+            ]
         return encode_block(k, v, state["modes"], self, codec, queries)
 
     def __post_init__(self):
         if not 2 <= self.g <= 64 or not 1 <= self.f < self.g:
             raise ValueError(f"depth: need 2 <= g <= 64 and 1 <= f < g, got g={self.g}, f={self.f}")
         if not 0.0 <= self.r <= 1.0 or not 0 <= self.tol <= 1e6 or not 1 <= self.block <= 65536:
-            raise ValueError(f"depth: need 0 <= r <= 1, 0 <= tol <= 1e6, 1 <= block <= 65536 "
-                             f"(got r={self.r}, tol={self.tol}, block={self.block})")
+            raise ValueError(
+                f"depth: need 0 <= r <= 1, 0 <= tol <= 1e6, 1 <= block <= 65536 (got r={self.r}, "
+                f"tol={self.tol}, block={self.block})"
+            )
         if self.mode not in ("probe", *MODES):
             raise ValueError(f"depth: mode must be probe, {', '.join(MODES)} (got {self.mode!r})")
 
@@ -111,7 +119,9 @@ def probe_mode(k, v, queries, cfg: FreqDepth, codec: Codec) -> str:
         q = queries[:, :, None] if mode == "residual" else None
         ek = _encode(k, mode, cfg, codec, q)
         ev = _encode(v, mode, cfg, codec, None)
-        err = _attention_error(queries, k, v, _decode(ek, cfg.g, torch.float32), _decode(ev, cfg.g, torch.float32))
+        err = _attention_error(
+            queries, k, v, _decode(ek, cfg.g, torch.float32), _decode(ev, cfg.g, torch.float32)
+        )
         if err <= cfg.tol:
             return mode
     return "exact"
@@ -163,8 +173,10 @@ def _decode_layer(e: Encoded, j: int, g: int, dtype) -> torch.Tensor:
     return (x * e.parts["scales"][j]).to(dtype)
 
 
-def encode_block(k: torch.Tensor, v: torch.Tensor, modes: list[str], cfg: FreqDepth, codec: Codec,
-                 queries: torch.Tensor | None) -> DepthBlock:
+def encode_block(
+    k: torch.Tensor, v: torch.Tensor, modes: list[str], cfg: FreqDepth, codec: Codec,
+    queries: torch.Tensor | None,
+) -> DepthBlock:
     """`k, v: [g, b, h, T, d]`; `queries: [g, b, h, nq, d]` (per KV head) ranks residual tokens."""
     if all(m == "exact" for m in modes):
         c = codec
@@ -172,7 +184,12 @@ def encode_block(k: torch.Tensor, v: torch.Tensor, modes: list[str], cfg: FreqDe
     heads = []
     for h, mode in enumerate(modes):
         q = queries[:, :, h : h + 1] if queries is not None else None
-        heads.append((_encode(k[:, :, h : h + 1], mode, cfg, codec, q), _encode(v[:, :, h : h + 1], mode, cfg, codec, None)))
+        heads.append(
+            (
+                _encode(k[:, :, h : h + 1], mode, cfg, codec, q),
+                _encode(v[:, :, h : h + 1], mode, cfg, codec, None),
+            )
+        )
     return DepthBlock(k.shape[-2], heads)
 
 
@@ -183,4 +200,3 @@ def group_queries(queries: list[torch.Tensor], kv_heads: int) -> torch.Tensor:
         b, hq, w, d = q.shape
         out.append(q.reshape(b, kv_heads, hq // kv_heads * w, d))
     return torch.stack(out).float()
-

@@ -65,7 +65,9 @@ class DepthSplit:
     groups: int
 
 
-def split(x: torch.Tensor, f: int, r: float, queries: torch.Tensor | None = None, normalise: bool = False) -> DepthSplit:
+def split(
+    x: torch.Tensor, f: int, r: float, queries: torch.Tensor | None = None, normalise: bool = False
+) -> DepthSplit:
     """`x: [G, b, h, T, d]` -> DepthSplit keeping the top `ceil(r * T)` residual tokens per layer and head.
 
     Tokens are ranked by how much their residual moves attention logits, `max_q |q . res_t|` over
@@ -76,7 +78,11 @@ def split(x: torch.Tensor, f: int, r: float, queries: torch.Tensor | None = None
         raise ValueError(f"f must be in [1, {g}], got {f}")
     if not 0.0 <= r <= 1.0:
         raise ValueError(f"r must be a fraction in [0, 1], got {r}")
-    scales = x.pow(2).mean(dim=(-1, -2), keepdim=True).sqrt().clamp(min=1e-12) if normalise else torch.ones(g, b, h, 1, 1)
+    scales = (
+        x.pow(2).mean(dim=(-1, -2), keepdim=True).sqrt().clamp(min=1e-12)
+        if normalise
+        else torch.ones(g, b, h, 1, 1)
+    )
     xn = x / scales
     coeffs = depth_dct(xn)[:f]
     full = torch.cat([coeffs, torch.zeros(g - f, b, h, t, d, dtype=x.dtype)])

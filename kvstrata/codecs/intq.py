@@ -23,7 +23,8 @@ class _IntCodec:
     def __post_init__(self):
         per_byte = 8 // self.bits
         if not 0 < self.group <= 4096 or self.group % per_byte:
-            raise ValueError(f"{self.name}: group must be a positive multiple of {per_byte}, at most 4096, got {self.group}")
+            raise ValueError(f"{self.name}: group must be a positive multiple of {per_byte}, at most 4096, "
+                             f"got {self.group}")
 
     def encode(self, x: torch.Tensor) -> QTensor:
         check_finite(x, self.name)

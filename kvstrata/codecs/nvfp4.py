@@ -60,7 +60,8 @@ class NVFP4:
             ts = tensor_scale(amax) if scale is None else scale.float().reshape(())
         block_scale = (amax_block / E2M1_MAX / ts).to(torch.float8_e4m3fn)
         eff = block_scale.float() * ts
-        scaled = torch.where(eff[..., None] > 0, b / eff.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
+        scaled = torch.where(eff[..., None] > 0, b / \
+                             eff.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
         return ts, block_scale, eff, scaled
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,8 @@ def use_fused(config) -> None:
     if current == NAME:
         return
     key = id(config)
-    _BASE[key] = (weakref.ref(config, lambda _: _BASE.pop(key, None)), current if current in ("sdpa", "eager") else "sdpa")
+    _BASE[key] = (weakref.ref(config, lambda _: _BASE.pop(key, None)),
+                  current if current in ("sdpa", "eager") else "sdpa")
     set_attention_implementation(config, NAME)
 
 
@@ -101,13 +102,17 @@ def take(layer_idx: int) -> EncodedView | None:
     return got[1]
 
 
-def eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+def eager_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs
+):
     """Plain attention (GQA, additive or boolean mask, optional softcap): `[b, q, hq, d]` and the
     probabilities `[b, hq, q, kv]`. The one eager implementation kvstrata's hooks share."""
     groups = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(groups, dim=1)
     v = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, k.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.matmul(query, k.transpose(2, 3)) * (
+        scaling if scaling is not None else query.shape[-1] ** -0.5
+    )
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:

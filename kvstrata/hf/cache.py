@@ -43,7 +43,8 @@ class CompressedCache(Cache):
         """`fused`: decode steps attend straight from the encoded segments (the model's config is
         switched to kvstrata's attention, which otherwise behaves as the one it replaces)."""
         self.method = parse_method(method) if isinstance(method, str) else method
-        self.text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.text_config = config.get_text_config(
+            decoder=True) if hasattr(config, "get_text_config") else config
         self.fused = fused
         if fused:
             use_fused(self.text_config)
@@ -51,7 +52,8 @@ class CompressedCache(Cache):
         layers: list[CacheLayerMixin] = []
         for cls, window in classes:
             recipe = self.method.recipe(cls)
-            layers.append(CompressedSlidingLayer(recipe, window) if cls == "sliding" else CompressedLayer(recipe))
+            layers.append(CompressedSlidingLayer(recipe, window) if cls ==
+                          "sliding" else CompressedLayer(recipe))
         if self.method.full.depth:
             self._group_depth(layers, classes)
         super().__init__(layers=layers)
@@ -98,16 +100,21 @@ class CompressedCache(Cache):
 
     def head_mode_map(self) -> list[dict]:
         """Per depth group: its layers and each KV head's mode (what the report plots)."""
-        return [{"layers": list(run), "modes": list(group.modes)} for run, group in getattr(self, "depth_groups", [])
-                if group.modes]
+        return [
+            {"layers": list(run), "modes": list(group.modes)}
+            for run, group in getattr(self, "depth_groups", [])
+            if group.modes
+        ]
 
     def nbytes(self) -> dict:
         """`{"layers": [bytes per layer], "total": bytes}`, measured from held tensors."""
         per_layer = [layer.nbytes() for layer in self.layers]
         return {"layers": per_layer, "total": sum(per_layer)}
 
-    def load_prefill(self, layers: list[tuple[torch.Tensor, torch.Tensor, int]], scores: list | None = None,
-                     queries: list | None = None) -> None:
+    def load_prefill(
+        self, layers: list[tuple[torch.Tensor, torch.Tensor, int]], scores: list | None = None,
+        queries: list | None = None,
+    ) -> None:
         """Fill from a prefilled dense cache: per layer `(keys, values, tokens_seen)`, optional
         per-layer keep scores `[batch, kv_heads, n]` and probe queries `[batch, q_heads, w, head_dim]`."""
         if len(layers) != len(self.layers):

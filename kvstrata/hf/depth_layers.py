@@ -98,7 +98,8 @@ class DepthLayer(CompressedLayer):
         return self.group.encoded_tokens + (self.keys.shape[-2] if self.is_initialized else 0)
 
     def nbytes(self) -> int:
-        """The tail, plus an even share of the group's encoded blocks (the first member takes the remainder)."""
+        """The tail, plus an even share of the group's encoded blocks (the first member takes the
+        remainder)."""
         if not self.is_initialized:
             return 0
         shared = self.group.nbytes()

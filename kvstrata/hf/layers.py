@@ -11,7 +11,16 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvstrata.codecs.qtensor import held_bytes
-from kvstrata.hf.segments import APPEND_ROWS, COMPACT_ROWS, Segment, append, decode_segment, drop_front, encode_segment, shrink
+from kvstrata.hf.segments import (
+    APPEND_ROWS,
+    COMPACT_ROWS,
+    Segment,
+    append,
+    decode_segment,
+    drop_front,
+    encode_segment,
+    shrink,
+)
 from kvstrata.methods import StoreRecipe
 from kvstrata.read.decode import EncodedView
 
@@ -31,7 +40,8 @@ class CompressedLayer(CacheLayerMixin):
         self.cumulative_length = 0
         self.known_until = 0  # positions below this are already held (bounded replay): not appended again
         self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
-        self.read_prefix = (0, 0)  # (generation, n): the last update's K/V began with n rows from encoded storage
+        # (generation, n): the last update's K/V began with n rows from encoded storage
+        self.read_prefix = (0, 0)
         self.fused_read = False  # set by the cache when the model's attention takes encoded views
         self.offered: EncodedView | None = None  # the last decode step's encoded part, for attention
 
@@ -82,7 +92,9 @@ class CompressedLayer(CacheLayerMixin):
         # New tokens are attended in full precision now; later steps read them encoded.
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
 
-    def load_prefill(self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores: torch.Tensor | None = None):
+    def load_prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores: torch.Tensor | None = None
+    ):
         """Fill an empty layer from a prefilled context: `keys, values: [batch, kv_heads, n, head_dim]`
         (what a dense cache holds after `seen` tokens), `scores: [batch, kv_heads, n]` for keep
         policies that need attention. Equivalent to `update` with the whole context."""
@@ -189,7 +201,9 @@ class CompressedLayer(CacheLayerMixin):
         self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("CompressedCache cannot be cropped: encoded tokens cannot be rolled back exactly")
+        raise NotImplementedError(
+            "CompressedCache cannot be cropped: encoded tokens cannot be rolled back exactly"
+        )
 
     def _map_batch(self, fn) -> None:
         self.generation += 1

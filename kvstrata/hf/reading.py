@@ -13,7 +13,12 @@ import contextlib
 from contextvars import ContextVar
 
 from kvstrata.hf.attention import (
-    attend_view, delegate, eager_attention, hooked, register_reader, take,
+    attend_view,
+    delegate,
+    eager_attention,
+    hooked,
+    register_reader,
+    take,
 )
 from kvstrata.methods import parse_method
 from kvstrata.read.decode import decode_attention
@@ -38,8 +43,9 @@ def _sparse_attention(module, query, key, value, attention_mask, scaling=None, *
         return out[:, None].to(query.dtype), None
     idx = select(state, layer, query, key)
     gather = idx[..., None].expand(-1, -1, -1, key.shape[-1])
-    return eager_attention(module, query, key.gather(2, gather), value.gather(2, gather), None, scaling=scaling,
-                           **kwargs)
+    return eager_attention(
+        module, query, key.gather(2, gather), value.gather(2, gather), None, scaling=scaling, **kwargs
+    )
 
 
 register_reader(NAME, _sparse_attention)
@@ -51,7 +57,9 @@ def sparse_reading(model, cache, cfg: TopK):
     full = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
     modes = dict(zip(full, cfg.modes(len(full))))
     c = model.config
-    state = ReadState(cfg, modes, list(cache.layers), getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    state = ReadState(
+        cfg, modes, list(cache.layers), getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    )
     with hooked(model, NAME, _STATE, state):
         yield state
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstrata.hf.cache import CompressedCache, layer_classes
+from kvstrata.hf.reading import reading
 from kvstrata.methods import MethodSpec, parse_method
 
 
@@ -35,7 +36,8 @@ def bf16_bytes_per_token(config, tokens: int) -> float:
     """Reference: what an uncompressed bf16 cache of this model holds per token after `tokens` tokens
     (sliding layers hold at most `window - 1`). The `bf16` method's measured bytes equal this."""
     text = config.get_text_config(decoder=True)
-    per_layer_token = 2 * text.num_key_value_heads * getattr(text, "head_dim", text.hidden_size // text.num_attention_heads) * 2
+    per_layer_token = 2 * text.num_key_value_heads * \
+        getattr(text, "head_dim", text.hidden_size // text.num_attention_heads) * 2
     held = sum(tokens if cls == "full" else min(tokens, window - 1) for cls, window in layer_classes(config))
     return held * per_layer_token / tokens if tokens else 0.0
 
@@ -85,7 +87,6 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
     policy see the whole prompt at once (the policy acts once, after the prefill)."""
     spec = parse_method(method) if isinstance(method, str) else method
     cache = CompressedCache(model.config, spec)
-    from kvstrata.hf.reading import reading
 
     chunked = prefill_chunk is not None and spec.full.keep is None and prompt_ids.shape[1] > 1
     with torch.inference_mode(), reading(model, cache, spec):

@@ -114,7 +114,8 @@ def _reserve(recipe: StoreRecipe, seg: Segment, extra: int) -> None:
     """Move `seg`'s parts into buffers with room for `extra` more tokens."""
     group = recipe.key_group
     kax, vax = _axes(recipe)
-    for name, q, ax, unit in (("keys", seg.keys, kax, group if kax == 3 else 1), ("values", seg.values, vax, 1)):
+    for name, q, ax, unit in (("keys", seg.keys, kax, group if kax == 3 else 1),
+                              ("values", seg.values, vax, 1)):
         bufs = {}
         for part, t in q.parts.items():
             if part == "tensor_scale":
@@ -136,13 +137,17 @@ def _views(recipe: StoreRecipe, seg: Segment) -> None:
     for name, ax, unit in (("keys", kax, group if kax == 3 else 1), ("values", vax, 1)):
         q = getattr(seg, name)
         rows = seg.length // unit
-        parts = {p: (t if p == "tensor_scale" else t.narrow(ax, 0, rows)) for p, t in seg.buffers[name].items()}
+        parts = {
+            p: (t if p == "tensor_scale" else t.narrow(ax, 0, rows)) for p, t in seg.buffers[name].items()
+        }
         shape = list(q.shape)
         shape[-1 if (name == "keys" and kax == 3) else -2] = seg.length
         setattr(seg, name, QTensor(q.codec, tuple(shape), q.dtype, parts))
 
 
-def decode_segment(recipe: StoreRecipe, seg: Segment, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_segment(
+    recipe: StoreRecipe, seg: Segment, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V."""
     codec = recipe.codec
     k = codec.decode(seg.keys).to(dtype)

@@ -39,11 +39,13 @@ class SnapKV:
 
     def select(self, keys: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         if scores is None:
-            raise ValueError("snapkv needs observation-window attention scores (run it through the bench protocol)")
+            raise ValueError("snapkv needs observation-window attention scores (run it through the bench "
+                             "protocol)")
         b, h, n, _ = keys.shape
         w = min(self.window, n)
         k = budget(self.keep, n, w)
-        pooled = F.max_pool1d(scores.reshape(b * h, 1, n).float(), self.pool, stride=1, padding=self.pool // 2)
+        pooled = F.max_pool1d(scores.reshape(b * h, 1, n).float(),
+                              self.pool, stride=1, padding=self.pool // 2)
         pooled = pooled.reshape(b, h, n)
         pooled[..., n - w :] = float("inf")  # the window itself is always kept
         idx = pooled.topk(k, dim=-1).indices

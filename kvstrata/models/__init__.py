@@ -3,4 +3,5 @@
 from kvstrata.models.loader import cache_dir, load, load_tokenizer, resolve
 from kvstrata.models.registry import KNOWN_MODELS, TINY_MODELS, ModelNotInstalled
 
-__all__ = ["KNOWN_MODELS", "TINY_MODELS", "ModelNotInstalled", "cache_dir", "load", "load_tokenizer", "resolve"]
+__all__ = ["KNOWN_MODELS", "TINY_MODELS", "ModelNotInstalled",
+    "cache_dir", "load", "load_tokenizer", "resolve"]

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvstrata.models.registry import KNOWN_MODELS, TINY_MODELS
+from kvstrata.models.tiny import save_tiny, tiny_config
 
 COMPLETE_MARK = "kvstrata-converted.ok"
 
@@ -54,8 +56,6 @@ def _install(target: Path, write: Callable[[Path], str]) -> Path:
 
 def _convert(name: str) -> Path:
     """Dequantize the GGUF once into safetensors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     known = KNOWN_MODELS[name]
     gguf = known.gguf_path(cache_dir() / "gguf")
     gguf.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +80,6 @@ def _convert(name: str) -> Path:
 
 def _tiny(name: str) -> Path:
     """A tiny model's directory, written on first use and whenever its definition changed."""
-    from kvstrata.models.tiny import save_tiny, tiny_config
 
     arch = TINY_MODELS[name].arch
     stamp = "tiny " + hashlib.sha256(tiny_config(arch).to_json_string().encode()).hexdigest()
@@ -100,10 +99,16 @@ def check(name_or_path: str) -> None:
     """Raise a clear error unless `name_or_path` is a known model or a local model directory
     (cheap: converts nothing, so a long run can check its models before it starts)."""
     key = name_or_path.lower()
-    if key in KNOWN_MODELS or key in TINY_MODELS or (Path(name_or_path).expanduser() / "config.json").exists():
+    if (
+        key in KNOWN_MODELS
+        or key in TINY_MODELS
+        or (Path(name_or_path).expanduser() / "config.json").exists()
+    ):
         return
-    raise FileNotFoundError(f"{name_or_path!r} is neither a known model ({', '.join([*KNOWN_MODELS, *TINY_MODELS])}) "
-                            "nor a local model directory with config.json")
+    raise FileNotFoundError(
+        f"{name_or_path!r} is neither a known model ({', '.join([*KNOWN_MODELS, *TINY_MODELS])}) nor a "
+        "local model directory with config.json"
+    )
 
 
 def resolve(name_or_path: str) -> Path:
@@ -121,9 +126,6 @@ def resolve(name_or_path: str) -> Path:
 
 def load(name_or_path: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) in eval mode; offline only."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
     set_threads()
     path = resolve(name_or_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
@@ -133,7 +135,4 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32):
 
 def load_tokenizer(name_or_path: str | Path):
     """The tokenizer alone (the model's directory is prepared as `resolve` does; no weights are read)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(resolve(str(name_or_path)), local_files_only=True)

@@ -60,9 +60,10 @@ class TinyModel:
 TINY_MODELS: dict[str, TinyModel] = {
     m.name: m
     for m in (
-        TinyModel("tiny-llama", "llama", "tiny random Llama (4 layers, 2 KV heads x 32, full attention; byte tokenizer)"),
-        TinyModel("tiny-gemma3", "gemma3", "tiny random Gemma-3 (4 layers: 3 sliding (16) + 1 global, 2 KV heads x 32; "
-                  "byte tokenizer)"),
+        TinyModel("tiny-llama", "llama", "tiny random Llama (4 layers, 2 KV heads x 32, full attention; byte "
+                                         "tokenizer)"),
+        TinyModel("tiny-gemma3", "gemma3", "tiny random Gemma-3 (4 layers: 3 sliding (16) + 1 global, 2 KV "
+                  "heads x 32; byte tokenizer)"),
     )
 }
 

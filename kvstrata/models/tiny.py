@@ -11,18 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PreTrainedTokenizerFast
 
 ARCHES = ("llama", "gemma3")
 
 #: a ChatML-like template over plain text, for serving tests of /v1/chat/completions
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt "
+    "%}<|assistant|>{% endif %}"
 )
 
 
 def tiny_config(arch: str = "llama"):
-    from transformers import Gemma3TextConfig, LlamaConfig
 
     common = dict(
         vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -41,7 +42,6 @@ def tiny_config(arch: str = "llama"):
 
 def tiny_model(arch: str = "llama", seed: int = 0):
     """A randomly initialised causal LM in float32, eval mode, eager attention."""
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = tiny_config(arch)
@@ -51,8 +51,6 @@ def tiny_model(arch: str = "llama", seed: int = 0):
 
 def byte_tokenizer():
     """A byte-level tokenizer: ids 0..255 are bytes; 256 <s>, 257 </s>, 258 <pad>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
@@ -65,7 +63,8 @@ def byte_tokenizer():
 
 def _byte_of(ch: str) -> int:
     """Inverse of the GPT-2 bytes-to-unicode map for one character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+              list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DeepseekV4Config
 
 from kvstrata.codecs import get_codec
 
@@ -66,12 +67,14 @@ def v41_modes(layers: int = 40) -> tuple[tuple[str, ...], tuple[int, ...]]:
     enc_step, dec_step = max(2, 3 * layers // 20), max(2, layers // 10)
     full = set(range(2, half, enc_step)) | {half}
     reindex = set(range(half + dec_step, layers, dec_step))
-    modes = tuple("swa" if i < 2 else "full" if i in full else "reindex" if i in reindex else "reuse" for i in range(layers))
+    modes = tuple(
+        "swa" if i < 2 else "full" if i in full else "reindex" if i in reindex else "reuse"
+        for i in range(layers)
+    )
     return modes, tuple(0 if i < 2 else 2 if i < half else 1 for i in range(layers))
 
 
 def _v4_modes() -> tuple[tuple[str, ...], tuple[int, ...]]:
-    from transformers import DeepseekV4Config
 
     cfg = DeepseekV4Config()
     modes = tuple("csa" if t == "compressed_sparse_attention" else "hca" for t in cfg.layer_types)
@@ -88,13 +91,20 @@ def presets() -> dict[str, V41Layout]:
             "v4-flash", len(v4_modes), 4096, index_heads=64, modes=v4_modes, m=v4_m,
             # V4: non-RoPE channels FP8 (one fp32 scale per entry: our fp8 codec), RoPE channels BF16;
             # indexer keys FP8 as in V3.2; the SWA window kept in the same format as the main entry.
-            main_entry=(("fp8", 448), ("bf16", 64)), index_entry=(("fp8", 128),), swa_entry=(("fp8", 448), ("bf16", 64)),
+            main_entry=(("fp8", 448), ("bf16", 64)),
+            index_entry=(("fp8", 128),),
+            swa_entry=(("fp8", 448), ("bf16", 64)),
             swa_persist_every=1024,
-            notes=("assumption: V4's persistent cache stored each cached prefix's SWA window once per 1,024 tokens",),
+            notes=(
+                "assumption: V4's persistent cache stored each cached prefix's SWA window once per 1,024 "
+                "tokens",
+            ),
         ),
-        "tiny-v41": V41Layout("tiny-v41", 8, 64, window=8, latent_dim=32, rope_dim=8, index_dim=16, index_heads=2,
-                              topk=8, modes=tiny_modes, m=tiny_m, main_entry=(("nvfp4:tensor_scale=0", 32),),
-                              index_entry=(("mxfp4", 16),), swa_entry=(("fp8", 32),)),
+        "tiny-v41": V41Layout(
+            "tiny-v41", 8, 64, window=8, latent_dim=32, rope_dim=8, index_dim=16, index_heads=2, topk=8,
+            modes=tiny_modes, m=tiny_m, main_entry=(("nvfp4:tensor_scale=0", 32),),
+            index_entry=(("mxfp4", 16),), swa_entry=(("fp8", 32),),
+        ),
     }
 
 

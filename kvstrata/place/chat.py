@@ -37,10 +37,11 @@ def chat(model, tokenizer, server: PrefixServer, turns: Iterable[str], max_new_t
     for n, text in enumerate(turns, 1):
         if n in forget_swa_before:  # as if the SWA TTL ran out while the user was away
             server.store.swa_tier.clear()
-        ids = history + tokenizer(("" if not history else "\n") + text, add_special_tokens=not history).input_ids
+        ids = history + tokenizer(("" if not history else "\n") + text,
+                                  add_special_tokens=not history).input_ids
         if limit and len(ids) + max_new_tokens > limit:
-            raise ValueError(f"turn {n}: the conversation is {len(ids):,} tokens; with {max_new_tokens} new tokens "
-                             f"(--max-new-tokens) it exceeds the model's context of {limit:,} tokens")
+            raise ValueError(f"turn {n}: the conversation is {len(ids):,} tokens; with {max_new_tokens} new "
+                             f"tokens (--max-new-tokens) it exceeds the model's context of {limit:,} tokens")
         served = server.serve(ids)
         t0 = time.perf_counter()
         answer = reply(model, tokenizer, served, max_new_tokens)
@@ -51,6 +52,7 @@ def chat(model, tokenizer, server: PrefixServer, turns: Iterable[str], max_new_t
                "reply": tokenizer.decode(answer)}
         log.append(rec)
         print(f"[turn {n}] {served.kind:<6} prompt {len(ids):>6} tok, reused {served.reused_tokens:>6}, "
-              f"computed {served.computed_tokens:>6}, TTFT {served.ttft_s:6.2f} s | {rec['reply'].strip()[:60]!r}",
+              f"computed {served.computed_tokens:>6}, TTFT {served.ttft_s:6.2f} s | "
+              f"{rec['reply'].strip()[:60]!r}",
               file=out, flush=True)
     return log

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 import os
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from kvstrata.place.secret import SecretError, parse_hex
+from kvstrata.textfile import read_text_file
 
 ENV_PREFIX = "KVSTRATA_STORE_"
 CONFIG_MAX_BYTES = 1 << 20
@@ -87,7 +91,9 @@ def check_value(name: str, value) -> str | None:
         return f"expected true or false, got {value!r}"
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
         return f"expected an integer, got {value!r}"
-    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+    if kind is float and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    ):
         return f"expected a finite number, got {value!r}"
     if kind is str and not isinstance(value, str):
         return f"expected a string, got {value!r}"
@@ -98,8 +104,6 @@ def check_value(name: str, value) -> str | None:
     if name == "redis_url" and value and urlscheme(value) not in ("redis", "rediss", "unix"):
         return f"expected a redis://, rediss:// or unix:// URL, got {urlscheme(value) or 'no scheme'}"
     if name == "secret" and value:
-        from kvstrata.place.secret import SecretError, parse_hex
-
         try:
             parse_hex(value, "secret")
         except SecretError as exc:
@@ -112,9 +116,6 @@ def urlscheme(url: str) -> str:
 
 
 def _toml_table(path: str | Path) -> dict:
-    import tomllib
-
-    from kvstrata.textfile import read_text_file
 
     text = read_text_file(path, "--config", CONFIG_MAX_BYTES)
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 from kvstrata.place import tier as _tier
 from kvstrata.place.disk_root import SUFFIX, classify, new_temp, open_root, stale_temp, valid_key
 from kvstrata.place.ledger import Ledger
-from kvstrata.place.tier import TierStats
+from kvstrata.place.tier import TierBase, TierStats
 
 MAGIC = b"KVSD"
 VERSION = 1
@@ -34,11 +34,12 @@ _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 def _safe(key: str) -> str:
     if not valid_key(key):
-        raise ValueError(f"disk tier keys must be 1-200 of [A-Za-z0-9-_.] and not start with '.', got {key!r}")
+        raise ValueError("disk tier keys must be 1-200 of [A-Za-z0-9-_.] and not start with '.', got "
+                         f"{key!r}")
     return key
 
 
-class DiskTier:
+class DiskTier(TierBase):
     """Global KV on local disk. A full tier refuses new writes (counted); it never evicts."""
 
     def __init__(self, root: str | Path, capacity_bytes: int, evict: bool = False):
@@ -46,7 +47,7 @@ class DiskTier:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.root = open_root(root)
         self.capacity = capacity_bytes
-        self.evict = evict  # accepted for the tier signature; the disk tier keeps retention and refuses instead
+        self.evict = evict
         self.stats = TierStats()
         self.skipped: dict[str, str] = {}  # entry name -> why it was left alone
         self.ledger = Ledger(self.root)
@@ -229,7 +230,10 @@ class DiskTier:
     def describe(self) -> dict:
         """What an operator needs to see: the root, capacity and every entry left alone, with why."""
         self._scan()
-        return {"root": str(self.root), "capacity_bytes": self.capacity, "skipped": dict(sorted(self.skipped.items()))}
+        return {
+            "root": str(self.root), "capacity_bytes": self.capacity,
+            "skipped": dict(sorted(self.skipped.items())),
+        }
 
 
 class _Closed:

@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 MARKER = ".kvstrata-store"
-MARKER_TEXT = "kvstrata store root v1: entries <key>.kv are managed by kvstrata; do not put other files here\n"
+MARKER_TEXT = (
+    "kvstrata store root v1: entries <key>.kv are managed by kvstrata; do not put other files here\n"
+)
 LEDGER = ".kvstrata-ledger"
 SECRET = ".kvstrata-secret"
 SUFFIX = ".kv"
@@ -62,8 +64,10 @@ def open_root(root: str | Path) -> Path:
         if not stat.S_ISREG(os.lstat(path / MARKER).st_mode):
             raise StoreRootError(f"store root {shown}: {MARKER} is not a regular file")
     elif names:
-        raise StoreRootError(f"store root {shown} is not empty and has no {MARKER} marker: refusing to use a "
-                             "directory kvstrata did not create (choose an empty or new directory)")
+        raise StoreRootError(
+            f"store root {shown} is not empty and has no {MARKER} marker: refusing to use a directory "
+            "kvstrata did not create (choose an empty or new directory)"
+        )
     _probe_writable(path, shown)
     if MARKER not in names:
         _publish(path / MARKER, MARKER_TEXT.encode())

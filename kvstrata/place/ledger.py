@@ -28,7 +28,8 @@ class Ledger:
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise StoreRootError(f"cannot open the capacity ledger {self.path}: {exc.strerror or exc}") from None
+            raise StoreRootError(
+                f"cannot open the capacity ledger {self.path}: {exc.strerror or exc}") from None
         if not stat.S_ISREG(os.fstat(self._fd).st_mode):
             os.close(self._fd)
             raise StoreRootError(f"{self.path} is not a regular file")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvstrata.place import tier as _tier
-from kvstrata.place.tier import TierStats
+from kvstrata.place.tier import TierBase, TierStats
 
 
-class MemoryTier:
+class MemoryTier(TierBase):
     """LRU over `capacity_bytes`. Expired entries are reclaimed before anything live is evicted;
     with `evict=False` a full tier refuses new writes instead of evicting live entries."""
 

@@ -46,11 +46,14 @@ def block_hash(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> byte
 
 def root(ns: bytes, tenant_salt: bytes = b"") -> bytes:
     """The parent of a prompt's first block: namespace + tenant salt."""
-    return hashlib.sha256(b"kvstrata-root\0" + ns + struct.pack("<I", len(tenant_salt)) + tenant_salt).digest()
+    return hashlib.sha256(
+        b"kvstrata-root\0" + ns + struct.pack("<I", len(tenant_salt)) + tenant_salt
+    ).digest()
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, ns: bytes, tenant_salt: bytes = b"",
-                 extra: bytes = b"") -> list[bytes]:
+def block_hashes(
+    tokens: Sequence[int], block_size: int, ns: bytes, tenant_salt: bytes = b"", extra: bytes = b""
+) -> list[bytes]:
     """Keys of every complete block of `tokens` (a trailing partial block has no key)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from urllib.parse import urlsplit
 
-from kvstrata.place.tier import StoreUnavailable, TierStats
+from kvstrata.place.tier import StoreUnavailable, TierBase, TierStats
 
 SAFE_POLICY = "noeviction"
 
@@ -31,12 +31,12 @@ def _where(url: str) -> str:
     return f"{u.hostname or u.path}:{u.port or 6379}{u.path if u.hostname else ''}"
 
 
-class RedisTier:
+class RedisTier(TierBase):
     retention_by_ttl = True  # the store expresses global retention as a Redis TTL on each record
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvstrata", cluster: bool = False,
                  socket_timeout: float = 0.5, retries: int = 1, max_connections: int = 16, client=None):
-        import redis
+        import redis  # optional dependency (the redis extra)
 
         self._x = redis.exceptions
         self._transport = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
@@ -48,7 +48,7 @@ class RedisTier:
         if client is not None:
             self.client = client
         elif cluster:
-            from redis.cluster import RedisCluster
+            from redis.cluster import RedisCluster  # optional dependency (the redis extra)
 
             try:  # RedisCluster connects here to learn the slot map
                 self.client = RedisCluster.from_url(url, socket_timeout=socket_timeout,
@@ -56,8 +56,10 @@ class RedisTier:
             except redis.exceptions.RedisError as exc:
                 raise StoreUnavailable(f"Redis Cluster at {self.where} cannot be reached: {exc}") from None
         else:
-            pool = redis.ConnectionPool.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
-                                                 max_connections=max_connections)
+            pool = redis.ConnectionPool.from_url(
+                url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+                max_connections=max_connections,
+            )
             self.client = redis.Redis(connection_pool=pool)
 
     def _key(self, key: str, group: str = "") -> str:
@@ -103,6 +105,7 @@ class RedisTier:
 
     def get_many(self, keys: list[str], group: str = "") -> list[bytes | None]:
         """One pipelined round trip for a chain of blocks."""
+
         def run():
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
@@ -143,7 +146,9 @@ class RedisTier:
         try:
             return fn()
         except self._x.AuthenticationError as exc:
-            raise StoreUnavailable(f"Redis at {self.where} refused authentication while {what}: {exc}") from None
+            raise StoreUnavailable(
+                f"Redis at {self.where} refused authentication while {what}: {exc}"
+            ) from None
         except self._transport as exc:
             raise StoreUnavailable(f"Redis at {self.where} cannot be reached while {what}: {exc}") from None
         except self._x.RedisError as exc:
@@ -151,6 +156,7 @@ class RedisTier:
 
     def connect(self, global_class: bool = True, allow_eviction: bool = False) -> dict:
         """Reach the server, authenticate, and check that it keeps global KV for its retention."""
+
         def probe():
             self.client.ping()
             info = self.client.info("memory")
@@ -162,32 +168,46 @@ class RedisTier:
         if global_class and policies != [SAFE_POLICY] and not allow_eviction:
             raise EvictionPolicyError(
                 f"Redis at {self.where} has maxmemory-policy {policy}, which may evict global KV before its "
-                f"retention (its records carry a TTL, so volatile-* policies evict them too): set maxmemory-policy "
-                f"{SAFE_POLICY}, or opt in with redis_allow_eviction = true (retention then not guaranteed)")
-        self.server = {"server": self.where, "maxmemory_policy": policy, "eviction_allowed": allow_eviction,
-                       "retention_guaranteed": policies == [SAFE_POLICY]}
+                "retention (its records carry a TTL, so volatile-* policies evict them too): set "
+                f"maxmemory-policy {SAFE_POLICY}, or opt in with redis_allow_eviction = true (retention "
+                "then not guaranteed)"
+            )
+        self.server = {
+            "server": self.where, "maxmemory_policy": policy, "eviction_allowed": allow_eviction,
+            "retention_guaranteed": policies == [SAFE_POLICY],
+        }
         return self.server
 
     def keys(self) -> list[str]:
-        found = self._admin(lambda: list(self.client.scan_iter(match=f"{self.prefix}:*", count=1000)), "listing keys")
+        found = self._admin(
+            lambda: list(self.client.scan_iter(match=f"{self.prefix}:*", count=1000)), "listing keys"
+        )
         return [k.decode().rsplit(":", 1)[-1] for k in found]
 
     def nbytes(self) -> int:
         def run():
-            return sum(self.client.memory_usage(k) or 0 for k in self.client.scan_iter(match=f"{self.prefix}:*"))
+            return sum(
+                self.client.memory_usage(k) or 0 for k in self.client.scan_iter(match=f"{self.prefix}:*")
+            )
 
         return self._admin(run, "measuring memory")
 
     def ttls(self, keys: list[str], group: str = "") -> list[float | None]:
         """Remaining TTL in seconds per key; None for a key without a TTL, -1.0 for one that is gone."""
+
         def run():
             return [self.client.pttl(self._key(k, group)) for k in keys]
 
-        return [None if ms == -1 else -1.0 if ms == -2 else ms / 1000 for ms in self._admin(run, "reading TTLs")]
+        return [
+            None if ms == -1 else -1.0 if ms == -2 else ms / 1000 for ms in self._admin(run, "reading TTLs")
+        ]
 
     def set_ttl(self, key: str, ttl_s: float, group: str = "") -> bool:
-        return bool(self._admin(lambda: self.client.pexpire(self._key(key, group), max(1, int(ttl_s * 1000))),
-                                "setting a TTL"))
+        return bool(
+            self._admin(
+                lambda: self.client.pexpire(self._key(key, group), max(1, int(ttl_s * 1000))), "setting a TTL"
+            )
+        )
 
     def describe(self) -> dict:
         return dict(self.server) or {"server": self.where}

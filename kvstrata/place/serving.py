@@ -17,13 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.codecs import QTensor, spec_of
 from kvstrata.hf.cache import CompressedCache, layer_classes
 from kvstrata.hf.run import forward
-from kvstrata.hf.segments import Segment, decode_segment, encode_segment
-from kvstrata.methods import StoreRecipe, parse_method
+from kvstrata.methods import parse_method
 from kvstrata.place.prefix_keys import block_hashes, model_fingerprint, namespace
-from kvstrata.place.records import RecordError
+from kvstrata.place.records import RecordError, pack_block, parse_payload, unpack_block
 from kvstrata.place.store import KVStore
 
 
@@ -34,41 +32,6 @@ def weights_digest(model) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def pack(recipe: StoreRecipe, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, dict]:
-    """Per-layer dense K/V -> record tensors and metadata, encoded with `recipe`."""
-    tensors, meta = {}, {"codec": spec_of(recipe.codec), "key_axis": recipe.key_axis}
-    for i, (k, v) in kv.items():
-        seg = encode_segment(recipe, k, v)
-        for tag, q in (("k", seg.keys), ("v", seg.values)):
-            meta[f"{i}.{tag}.shape"] = ",".join(map(str, q.shape))
-            meta[f"{i}.{tag}.dtype"] = str(q.dtype).removeprefix("torch.")
-            tensors.update({f"{i}.{tag}.{name}": t for name, t in q.parts.items()})
-        meta[f"{i}.tokens"] = str(k.shape[-2])
-    return tensors, meta
-
-
-def unpack(recipe: StoreRecipe, tensors: dict, meta: dict, dtype: torch.dtype) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Record tensors + metadata -> per-layer dense K/V; any inconsistency is a RecordError."""
-    if meta.get("codec") != spec_of(recipe.codec) or meta.get("key_axis") != recipe.key_axis:
-        raise RecordError(f"record codec {meta.get('codec')!r} does not match the method's {spec_of(recipe.codec)!r}")
-    try:
-        out = {}
-        layers = sorted({int(k.split(".")[0]) for k in tensors})
-        for i in layers:
-            qs = []
-            for tag in ("k", "v"):
-                parts = {k.split(".", 2)[2]: t for k, t in tensors.items() if k.startswith(f"{i}.{tag}.")}
-                shape = tuple(int(x) for x in meta[f"{i}.{tag}.shape"].split(","))
-                kind = getattr(torch, meta[f"{i}.{tag}.dtype"])
-                if not isinstance(kind, torch.dtype):
-                    raise TypeError(f"{meta[f'{i}.{tag}.dtype']!r} is not a dtype")
-                qs.append(QTensor(recipe.codec, shape, kind, parts))
-            out[i] = decode_segment(recipe, Segment(qs[0], qs[1], int(meta[f"{i}.tokens"])), dtype)
-    except Exception as exc:  # names, shapes, dtypes or parts that do not fit: the record is unusable
-        raise RecordError(f"record does not decode: {type(exc).__name__}: {exc}") from None
-    return out
 
 
 @dataclass
@@ -83,8 +46,10 @@ class Served:
 
 
 class PrefixServer:
-    def __init__(self, model, store: KVStore, method: str = "bf16", block_size: int = 256, n_win: int | None = None,
-                 tenant: bytes = b"", fingerprint: str | None = None):
+    def __init__(
+        self, model, store: KVStore, method: str = "bf16", block_size: int = 256, n_win: int | None = None,
+        tenant: bytes = b"", fingerprint: str | None = None,
+    ):
         self.model, self.store, self.block, self.tenant = model, store, block_size, tenant
         self.spec = parse_method(method)
         if self.spec.full.keep or self.spec.sliding.keep:
@@ -102,34 +67,23 @@ class PrefixServer:
         self.vocab, self.kv_heads = text.vocab_size, text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
-    def _load(self, klass: str, key: str, layers: list[int], tokens: int | None):
-        """Verified record of `key` decoded to per-layer K/V `[1, kv_heads, tokens, head_dim]`, or None;
-        a record that verifies but does not decode to exactly that is counted and removed."""
-        rec = (self.store.get_global if klass == "global" else self.store.get_swa)(key, self.ns)
-        if rec is None:
-            return None
+    def _unpack(self, klass: str, key: str, payload: bytes, layers: list[int], tokens: int | None):
+        """A verified record's per-layer K/V `[1, kv_heads, tokens, head_dim]`, or None: a record that
+        does not decode to exactly that is counted and removed."""
         try:
-            kv = unpack(self.spec.full if klass == "global" else self.spec.sliding, *rec, self.dtype)
+            recipe = self.spec.full if klass == "global" else self.spec.sliding
+            kv = unpack_block(recipe, *parse_payload(payload), self.dtype)
             if sorted(kv) != layers:
                 raise RecordError(f"record holds layers {sorted(kv)}, expected {layers}")
             for k, v in kv.values():
-                if k.shape != v.shape or k.dim() != 4 or k.shape[0] != 1 or k.shape[1] != self.kv_heads or \
-                        k.shape[3] != self.head_dim or (tokens is not None and k.shape[2] != tokens):
-                    raise RecordError(f"record tensors {tuple(k.shape)} / {tuple(v.shape)} do not fit the model")
+                fits = k.shape == v.shape and k.dim() == 4 and (tokens is None or k.shape[2] == tokens)
+                if not fits or (k.shape[0], k.shape[1], k.shape[3]) != (1, self.kv_heads, self.head_dim):
+                    raise RecordError(f"record tensors {tuple(k.shape)} / {tuple(v.shape)} do not fit the "
+                                      "model")
         except RecordError:
             self.store.reject(key, klass)
             return None
         return kv
-
-    def _fetch(self, hashes: list[str]):
-        full = [i for i, (c, _) in enumerate(self.classes) if c == "full"]
-        records = []
-        for h in hashes:
-            kv = self._load("global", h, full, self.block)
-            if kv is None:
-                break
-            records.append(kv)
-        return records
 
     def serve(self, ids: list[int]) -> Served:
         if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab for t in ids):
@@ -137,14 +91,24 @@ class PrefixServer:
         t0 = time.perf_counter()
         usable = (len(ids) - 1) // self.block  # keep >= 1 token to compute the next-token logits
         hashes = [h.hex() for h in block_hashes(ids, self.block, self.ns, self.tenant)][:usable]
-        records = self._fetch(hashes)
+        full = [i for i, (c, _) in enumerate(self.classes) if c == "full"]
+        sliding = [i for i, (c, _) in enumerate(self.classes) if c == "sliding"]
+        # a model without sliding layers has no SWA state to lose: its global KV is the whole state
+        found = self.store.lookup(hashes, self.ns, swa=bool(sliding))
+        records = []
+        for h, payload in zip(hashes, found.payloads):
+            kv = self._unpack("global", h, payload, full, self.block)
+            if kv is None:
+                break
+            records.append(kv)
         P = len(records) * self.block
         cache = CompressedCache(self.model.config, self.spec)
         start, kind = 0, "miss"
         if records:
-            sliding = [i for i, (c, _) in enumerate(self.classes) if c == "sliding"]
-            swa_kv = self._load("swa", hashes[len(records) - 1], sliding, None) if sliding else None
-            # a model without sliding layers has no SWA state to lose: its global KV is the whole state
+            # the SWA state belongs to the lookup's last block: a shorter usable chain replays
+            payload = found.swa_payload if len(records) == found.global_blocks else None
+            last = hashes[len(records) - 1]
+            swa_kv = self._unpack("swa", last, payload, sliding, None) if payload is not None else None
             live = swa_kv is not None or not sliding
             kind = "hit" if live else "replay"
             start = P if live else max(0, P - self.n_win)
@@ -171,9 +135,11 @@ class PrefixServer:
         if snapshot is not None:
             blocks, swa = snapshot
             for b, kv in blocks.items():
-                self.store.put_global(hashes[b], *pack(self.spec.full, kv), namespace=self.ns)
+                self.store.put_global(hashes[b], *pack_block(self.spec.full, kv), namespace=self.ns)
             if swa:
-                self.store.put_swa(hashes[Q // self.block - 1], *pack(self.spec.sliding, swa), namespace=self.ns)
+                self.store.put_swa(
+                    hashes[Q // self.block - 1], *pack_block(self.spec.sliding, swa), namespace=self.ns
+                )
         write_s += time.perf_counter() - t1
         return Served(cache, logits, kind, P, len(ids) - start, ttft, write_s)
 

@@ -16,19 +16,27 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from kvstrata.place.records import RecordError, decode_record, encode_record
+from kvstrata.place.disk import DiskTier
+from kvstrata.place.disk_root import SECRET, open_root
+from kvstrata.place.memory import MemoryTier
+from kvstrata.place.records import RecordError, decode_record, encode_record, verify_record
+from kvstrata.place.redis_tier import RedisTier
+from kvstrata.place.secret import load_or_create, parse_hex
 from kvstrata.place.tier import StoreUnavailable, Tier
 
 
 @dataclass
 class Lookup:
     """Result of a prefix lookup: how many leading blocks hit in global KV, and whether the SWA
-    state saved at the last hit block is still live."""
+    state saved at the last hit block is still live; with the verified (signed, key-, class- and
+    namespace-bound) payloads of those records, not yet parsed into tensors."""
 
     global_blocks: int
     swa_live: bool
+    payloads: list[bytes] = field(default_factory=list, repr=False)
+    swa_payload: bytes | None = field(default=None, repr=False)
 
     @property
     def kind(self) -> str:
@@ -41,8 +49,10 @@ class KVStore:
     """`secret` signs and verifies records; None draws a fresh one, so records live as long as this
     object (`from_config` reads or creates the store's persistent secret)."""
 
-    def __init__(self, global_tier: Tier, swa_tier: Tier, retention_s: float = 72 * 3600, swa_ttl_s: float = 300.0,
-                 secret: bytes | None = None):
+    def __init__(
+        self, global_tier: Tier, swa_tier: Tier, retention_s: float = 72 * 3600, swa_ttl_s: float = 300.0,
+        secret: bytes | None = None,
+    ):
         self.global_tier = global_tier
         self.swa_tier = swa_tier
         self.retention_s = retention_s
@@ -55,7 +65,7 @@ class KVStore:
     # --- global KV -----------------------------------------------------------------------------
     def put_global(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
         """Persist one block's global KV; False (and counted) when the tier is full."""
-        by_ttl = getattr(self.global_tier, "retention_by_ttl", False) and self.retention_s > 0
+        by_ttl = self.global_tier.retention_by_ttl and self.retention_s > 0
         blob = encode_record(tensors, meta, key=key, secret=self.secret, klass="global", namespace=namespace)
         return self.global_tier.put(key, blob, ttl_s=self.retention_s if by_ttl else None)
 
@@ -75,6 +85,17 @@ class KVStore:
         blob = self._tier(klass).get(key)
         return None if blob is None else self._decode(klass, key, blob, namespace)
 
+    def _payload(self, klass: str, key: str, namespace: bytes | None) -> bytes | None:
+        """The verified payload of `key`'s record (no tensor parsed), or None: a counted miss."""
+        blob = self._tier(klass).get(key)
+        if blob is None:
+            return None
+        try:
+            return verify_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
+        except RecordError:
+            self.reject(key, klass)
+            return None
+
     def _decode(self, klass: str, key: str, blob: bytes, namespace: bytes | None):
         try:
             return decode_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
@@ -89,25 +110,23 @@ class KVStore:
         tier.delete(key)
 
     # --- serving --------------------------------------------------------------------------------
-    def lookup(self, hashes: list[str], namespace: bytes | None = None) -> Lookup:
-        """Longest prefix of `hashes` whose global KV is present and intact, and SWA liveness there."""
-        n = 0
+    def lookup(self, hashes: list[str], namespace: bytes | None = None, swa: bool = True) -> Lookup:
+        """Longest prefix of `hashes` whose global KV is present and intact, and SWA liveness at its
+        last block (`swa=False`: the model has no sliding layers, so no SWA state to lose)."""
+        payloads = []
         for h in hashes:
-            if self.get_global(h, namespace) is None:
+            payload = self._payload("global", h, namespace)
+            if payload is None:
                 break
-            n += 1
-        live = n > 0 and self.get_swa(hashes[n - 1], namespace) is not None
-        return Lookup(n, live)
+            payloads.append(payload)
+        n = len(payloads)
+        swa_payload = self._payload("swa", hashes[n - 1], namespace) if n and swa else None
+        return Lookup(n, n > 0 and (swa_payload is not None or not swa), payloads, swa_payload)
 
     @classmethod
     def from_config(cls, cfg) -> "KVStore":
         """Embedded default: local disk for global KV (or Redis when `redis_url` is set, after checking
         it can be reached and keeps retention), RAM pool for SWA, the store's persistent secret."""
-        from kvstrata.place.disk import DiskTier
-        from kvstrata.place.disk_root import SECRET, open_root
-        from kvstrata.place.memory import MemoryTier
-        from kvstrata.place.redis_tier import RedisTier
-        from kvstrata.place.secret import load_or_create, parse_hex
 
         if cfg.secret:
             secret = parse_hex(cfg.secret, "secret")
@@ -118,14 +137,16 @@ class KVStore:
             g.connect(global_class=True, allow_eviction=cfg.redis_allow_eviction)
         else:
             g = DiskTier(cfg.root, int(cfg.global_capacity_gb * 2**30))
-        return cls(g, MemoryTier(cfg.swa_capacity_bytes), cfg.retention_hours * 3600, cfg.swa_ttl_seconds, secret)
+        return cls(
+            g, MemoryTier(cfg.swa_capacity_bytes), cfg.retention_hours * 3600, cfg.swa_ttl_seconds, secret
+        )
 
     # --- admin ------------------------------------------------------------------------------------
     def stats(self) -> dict:
         out = {}
         for name, t in (("global", self.global_tier), ("swa", self.swa_tier)):
             out[name] = {"keys": len(t.keys()), "bytes": t.nbytes(), **asdict(t.stats)}
-            out[name].update(getattr(t, "describe", dict)())
+            out[name].update(t.describe())
         out["global"]["secret_id"] = hashlib.sha256(b"kvstrata-secret-id\0" + self.secret).hexdigest()[:12]
         return out
 
@@ -142,36 +163,38 @@ class KVStore:
         return ("ok", rec) if rec is not None else ("corrupt", None)
 
     def _skipped(self) -> dict:
-        return {"skipped": getattr(self.global_tier, "describe", dict)().get("skipped", {})}
+        return {"skipped": self.global_tier.describe().get("skipped", {})}
 
     def verify(self) -> dict:
         """Read back every global record; corrupt ones are removed and counted."""
         keys = self.global_tier.keys()
         states = [self._admin_read(k)[0] for k in keys]
-        return {"checked": len(keys), "corrupt_removed": states.count("corrupt"), "gone": states.count("gone"),
-                **self._skipped()}
+        return {
+            "checked": len(keys), "corrupt_removed": states.count("corrupt"), "gone": states.count("gone"),
+            **self._skipped(),
+        }
 
     def gc(self) -> dict:
         """Verify every global record (removing corrupt ones) and drop those past retention; on a tier
         that keeps retention as TTLs, report them and give a TTL to records that lack one."""
         removed = corrupt = 0
         alive = []
-        mtime = getattr(self.global_tier, "mtime", None)
         for key in self.global_tier.keys():
             state, _ = self._admin_read(key)
             corrupt += state == "corrupt"
             if state != "ok":
                 continue
-            written = mtime(key) if mtime else None
+            written = self.global_tier.mtime(key)
             if written is not None and time.time() - written > self.retention_s:
                 self.global_tier.delete(key)
                 removed += 1
             else:
                 alive.append(key)
-        reclaim = getattr(self.swa_tier, "reclaim_expired", None)
-        out = {"removed_past_retention": removed, "corrupt_removed": corrupt,
-               "swa_expired": reclaim() if reclaim else 0, **self._skipped()}
-        if getattr(self.global_tier, "retention_by_ttl", False):
+        out = {
+            "removed_past_retention": removed, "corrupt_removed": corrupt,
+            "swa_expired": self.swa_tier.reclaim_expired(), **self._skipped(),
+        }
+        if self.global_tier.retention_by_ttl:
             out["ttl"] = self._ttl_report(alive)
         return out
 
@@ -182,5 +205,8 @@ class KVStore:
             for k in missing:
                 self.global_tier.set_ttl(k, self.retention_s)
         left = [t for t in ttls if t is not None and t >= 0]
-        return {"retention_s": self.retention_s, "with_ttl": len(left), "ttl_set_now": len(missing) if self.retention_s > 0 else 0,
-                "min_remaining_s": min(left, default=None), "max_remaining_s": max(left, default=None)}
+        return {
+            "retention_s": self.retention_s, "with_ttl": len(left),
+            "ttl_set_now": len(missing) if self.retention_s > 0 else 0,
+            "min_remaining_s": min(left, default=None), "max_remaining_s": max(left, default=None),
+        }

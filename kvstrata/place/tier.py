@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 
 @dataclass
@@ -22,11 +22,16 @@ class TierStats:
 
 
 class StoreUnavailable(RuntimeError):
-    """A tier cannot be reached or refuses us (server down, authentication): said, never a silent empty answer."""
+    """A tier cannot be reached or refuses us (server down, authentication): said, never a silent
+    empty answer."""
 
 
 class Tier(Protocol):
+    """Everything the store calls on a tier (`TierBase` supplies the optional parts' defaults)."""
+
     stats: TierStats
+    #: the store keeps global retention as a TTL on each record (Redis) rather than by age scans
+    retention_by_ttl: ClassVar[bool]
 
     def get(self, key: str) -> bytes | None:
         """The stored value, or None (missing, expired, or unreachable: a miss either way)."""
@@ -43,6 +48,48 @@ class Tier(Protocol):
     def nbytes(self) -> int:
         """Bytes of values currently held."""
         ...
+
+    def describe(self) -> dict:
+        """What an operator needs to see (root, capacity, server, entries left alone)."""
+        ...
+
+    def mtime(self, key: str) -> float | None:
+        """When `key` was written (seconds since the epoch), or None when the tier cannot say."""
+        ...
+
+    def reclaim_expired(self) -> int:
+        """Drop entries past their TTL now; how many went."""
+        ...
+
+    def ttls(self, keys: list[str]) -> list[float | None]:
+        """Seconds each key has left (None: no TTL); only tiers with `retention_by_ttl`."""
+        ...
+
+    def set_ttl(self, key: str, ttl_s: float) -> bool:
+        """Give `key` a TTL; only tiers with `retention_by_ttl`."""
+        ...
+
+
+class TierBase:
+    """Defaults for the optional parts of `Tier`: no TTL-kept retention, nothing to describe, write
+    times unknown, nothing to reclaim (a tier overrides what it can do)."""
+
+    retention_by_ttl: ClassVar[bool] = False
+
+    def describe(self) -> dict:
+        return {}
+
+    def mtime(self, key: str) -> float | None:
+        return None
+
+    def reclaim_expired(self) -> int:
+        return 0
+
+    def ttls(self, keys: list[str]) -> list[float | None]:
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-record TTLs")
+
+    def set_ttl(self, key: str, ttl_s: float) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} keeps no per-record TTLs")
 
 
 def now() -> float:

@@ -53,7 +53,8 @@ def simulate(cfg: TraceConfig) -> dict:
     rng = random.Random(cfg.seed)
     clock = [0.0]
     pool = MemoryTier(cfg.pool_bytes)
-    events = [(rng.uniform(0, cfg.arrival_span_s), s, 0, cfg.system_tokens + cfg.user_tokens) for s in range(cfg.sessions)]
+    events = [(rng.uniform(0, cfg.arrival_span_s), s, 0, cfg.system_tokens + cfg.user_tokens)
+               for s in range(cfg.sessions)]
     heapq.heapify(events)
     outcomes = {"hit": 0, "replay": 0, "miss": 0}
     ttft, global_tokens, peak_pool, last_reclaim = [], 0, 0, 0.0
@@ -65,7 +66,8 @@ def simulate(cfg: TraceConfig) -> dict:
                 pool.reclaim_expired()
                 last_reclaim = t
             key = f"s{s}"
-            new = cfg.system_tokens + cfg.user_tokens if turn == 0 else (cfg.tool_tokens if turn % 2 else cfg.user_tokens)
+            new = cfg.system_tokens + \
+                cfg.user_tokens if turn == 0 else (cfg.tool_tokens if turn % 2 else cfg.user_tokens)
             prefix = tokens - new
             if turn == 0:
                 kind, cost = "miss", tokens * cfg.prefill_s_per_token
@@ -73,7 +75,8 @@ def simulate(cfg: TraceConfig) -> dict:
                 kind, cost = "hit", prefix * cfg.load_s_per_token + new * cfg.prefill_s_per_token
             else:
                 kind = "replay"
-                cost = prefix * cfg.load_s_per_token + (min(cfg.replay_tokens, prefix) + new) * cfg.prefill_s_per_token
+                cost = prefix * cfg.load_s_per_token + \
+                    (min(cfg.replay_tokens, prefix) + new) * cfg.prefill_s_per_token
             outcomes[kind] += 1
             ttft.append(cost)
             global_tokens += new

@@ -20,7 +20,8 @@ from kvstrata.codecs import QTensor
 from kvstrata.read.kernels import cpu
 
 # codec name -> kernel kind; elements per scale block along head_dim (None: the codec's own field)
-_KINDS = {"bf16": (1, 0), "fp8": (2, None), "nvfp4": (3, 16), "mxfp4": (4, 32), "int4": (5, None), "int2": (6, None)}
+_KINDS = {"bf16": (1, 0), "fp8": (2, None), "nvfp4": (
+    3, 16), "mxfp4": (4, 32), "int4": (5, None), "int2": (6, None)}
 F32 = 0
 _NONE = torch.empty(0)
 
@@ -84,7 +85,10 @@ def _describe(q: QTensor, codec, channel: bool, skip: int, d: int):
     codes = parts.get("codes", parts.get("values"))
     length = q.shape[-1] if channel else q.shape[-2]
     ts = float(parts["tensor_scale"]) if "tensor_scale" in parts else 1.0
-    return [codes, parts.get("scales", _NONE), parts.get("mins", _NONE)], [kind, int(channel), length, skip, block], ts
+    return (
+        [codes, parts.get("scales", _NONE), parts.get("mins", _NONE)],
+        [kind, int(channel), length, skip, block], ts,
+    )
 
 
 def _tail(t: torch.Tensor):
@@ -123,12 +127,16 @@ def triton_runs(view: EncodedView) -> list[tuple]:
             block = getattr(view.codec, "block", 0) or getattr(view.codec, "group", 0) or d
         length = k.shape[-1] if view.key_channel else k.shape[-2]
         ts = [float(q.parts["tensor_scale"]) if "tensor_scale" in q.parts else 1.0 for q in (k, v)]
-        out.append((kind, view.key_channel, k.parts, v.parts, block or d, block or d, ts[0], ts[1], length, skip))
+        out.append(
+            (kind, view.key_channel, k.parts, v.parts, block or d, block or d, ts[0], ts[1], length, skip)
+        )
     return out
 
 
-def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                        softcap: float | None = None) -> torch.Tensor:
+def reference_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """`query: [b, hq, 1, d]` over `keys, values: [b, hk, n, d]` (GQA) -> `[b, hq, d]` float32."""
     groups = query.shape[1] // keys.shape[1]
     k = keys.float().repeat_interleave(groups, 1)
@@ -139,9 +147,10 @@ def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     return (torch.softmax(scores, -1) @ v)[:, :, 0]
 
 
-def decode_attention(query: torch.Tensor, view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor,
-                     scaling: float, softcap: float | None = None, idx: torch.Tensor | None = None,
-                     fused: bool = True) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor, view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
+    softcap: float | None = None, idx: torch.Tensor | None = None, fused: bool = True,
+) -> torch.Tensor:
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
     `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those. -> `[b, hq, d]`."""
     fused = fused and view.codec.name in _KINDS  # a codec the kernels do not know: reference path
@@ -154,8 +163,9 @@ def decode_attention(query: torch.Tensor, view: EncodedView, tail_k: torch.Tenso
         q = query[:, :, 0].float().contiguous()
         kp, km, kt, vp, vm, vt = kernel_args(view, tail_k, tail_v)
         empty = torch.empty(0, dtype=torch.int64)
-        return module.decode_attention(q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0),
-                                       empty if idx is None else idx)
+        return module.decode_attention(
+            q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0), empty if idx is None else idx
+        )
     ks, vs = view.dense()
     keys, values = torch.cat(ks + [tail_k.float()], -2), torch.cat(vs + [tail_v.float()], -2)
     if idx is not None:

@@ -59,7 +59,9 @@ def held(indexer: str, rows: torch.Tensor, scale: torch.Tensor | None = None) ->
     return get_codec("nvfp4").round_trip(rows, scale)
 
 
-def score(indexer: str, q: torch.Tensor, rows: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
+def score(
+    indexer: str, q: torch.Tensor, rows: torch.Tensor, basis: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scores `[b, kv_heads, n]` of index rows (`held(index_rows(...))`) for the decode query `q`."""
     if indexer == "exact":
         return _grouped(q, rows).amax(2)
@@ -111,4 +113,3 @@ def hierarchical(scores: torch.Tensor, k: int, block: int = 8, blocks: int | Non
     cand_scores = scores.gather(-1, cand)
     keep = cand_scores.topk(min(k, cand.shape[-1]), dim=-1).indices
     return cand.gather(-1, keep)
-

@@ -20,7 +20,16 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.read.indexers import INDEXERS, held, held_scale, hierarchical, index_row_bytes, index_rows, key_basis, score
+from kvstrata.read.indexers import (
+    INDEXERS,
+    held,
+    held_scale,
+    hierarchical,
+    index_row_bytes,
+    index_rows,
+    key_basis,
+    score,
+)
 
 NAME = "kvstrata_sparse"
 LIMIT = 1 << 24  # k, sinks, window: tokens, beyond any context we run
@@ -37,25 +46,35 @@ class TopK:
     hier: bool = False
     rank: int = 16  # index-key dims of the lowrank indexer (a multiple of 16: NVFP4 blocks)
     name: ClassVar[str] = "topk"
-    summary: ClassVar[str] = "top-k sparse decode reads (sinks + window + indexed top-k), Full/Reindex/Reuse schedule"
+    summary: ClassVar[str] = (
+        "top-k sparse decode reads (sinks + window + indexed top-k), Full/Reindex/Reuse schedule"
+    )
 
     def __post_init__(self):
         if not 1 <= self.k <= LIMIT or not 0 <= self.sinks <= LIMIT or not 1 <= self.window <= LIMIT:
-            raise ValueError(f"topk: need 1 <= k <= {LIMIT}, 0 <= sinks <= {LIMIT}, 1 <= window <= {LIMIT}; got {self}")
+            raise ValueError(
+                f"topk: need 1 <= k <= {LIMIT}, 0 <= sinks <= {LIMIT}, 1 <= window <= {LIMIT}; got {self}"
+            )
         if self.indexer not in INDEXERS:
             raise ValueError(f"topk: unknown indexer {self.indexer!r} (known: {', '.join(INDEXERS)})")
         if not 16 <= self.rank <= 1024 or self.rank % 16:
-            raise ValueError(f"topk: rank must be a multiple of 16 (NVFP4 blocks) in [16, 1024], got {self.rank}")
+            raise ValueError(
+                f"topk: rank must be a multiple of 16 (NVFP4 blocks) in [16, 1024], got {self.rank}"
+            )
         self.modes(1)
 
     def modes(self, n_layers: int) -> list[str]:
         """The schedule unrolled over `n_layers` full-attention layers; always starts with Full."""
         parts = re.findall(r"([FRU])(\d+)", self.schedule.upper())
         if not parts or "".join(f"{m}{c}" for m, c in parts) != self.schedule.upper() or parts[0][0] != "F":
-            raise ValueError(f"topk: schedule must look like F1R3 or F1U1R2 and start with F, got {self.schedule!r}")
+            raise ValueError(
+                f"topk: schedule must look like F1R3 or F1U1R2 and start with F, got {self.schedule!r}"
+            )
         if any(not 1 <= int(c) <= MAX_REPEAT for _, c in parts) or len(parts) > MAX_REPEAT:
-            raise ValueError(f"topk: each schedule count must be in [1, {MAX_REPEAT}] (at most {MAX_REPEAT} parts), "
-                             f"got {self.schedule!r}")
+            raise ValueError(
+                f"topk: each schedule count must be in [1, {MAX_REPEAT}] (at most {MAX_REPEAT} parts), got "
+                f"{self.schedule!r}"
+            )
         pattern = [m for m, c in parts for _ in range(int(c))]
         return [pattern[i % len(pattern)] for i in range(n_layers)]
 
@@ -71,8 +90,10 @@ class ReadState:
     picked: dict[int, torch.Tensor] = field(default_factory=dict)  # last step's positions per layer
     bases: dict[int, torch.Tensor] = field(default_factory=dict)  # lowrank indexer: per-layer key basis
     index: dict[int, tuple] = field(default_factory=dict)  # layer -> (generation, rows kept, index rows)
-    held: dict[int, tuple] = field(default_factory=dict)  # lowrank: layer -> ((generation, scale), rows kept, NVFP4 rows)
-    amax: dict[int, tuple] = field(default_factory=dict)  # lowrank: layer -> (generation, rows kept, their largest |x|)
+    # lowrank: layer -> ((generation, scale), rows kept, NVFP4 rows)
+    held: dict[int, tuple] = field(default_factory=dict)
+    # lowrank: layer -> (generation, rows kept, their largest |x|)
+    amax: dict[int, tuple] = field(default_factory=dict)
     bytes_read: float = 0.0  # index rows scanned + entries gathered, all decode steps
     dense_bytes: float = 0.0  # what dense attention would have read
     steps_seen: int = 0  # Full-layer calls (first layer per step counts one step per Full layer)
@@ -82,7 +103,9 @@ class ReadState:
         """Bytes of one K row, V row and index-key row per KV head, measured once the layer holds data."""
         if layer not in self.row_bytes:
             kb, vb = self.layers[layer].row_bytes()
-            self.row_bytes[layer] = (kb, vb, index_row_bytes(self.cfg.indexer, self.head_dim, self.cfg.rank, kb))
+            self.row_bytes[layer] = (
+                kb, vb, index_row_bytes(self.cfg.indexer, self.head_dim, self.cfg.rank, kb),
+            )
         return self.row_bytes[layer]
 
     def __post_init__(self):
@@ -116,7 +139,9 @@ def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> 
     done, buf = _kept(kept, layer, tag, stable, None)
     new = fn(src[..., done:, :])
     if buf is None or buf.shape[-2] < n:
-        grown = new.new_empty(*new.shape[:-2], max(n, 2 * (0 if buf is None else buf.shape[-2])), new.shape[-1])
+        grown = new.new_empty(
+            *new.shape[:-2], max(n, 2 * (0 if buf is None else buf.shape[-2])), new.shape[-1]
+        )
         if done:
             grown[..., :done, :] = buf[..., :done, :]
         buf = grown
@@ -136,13 +161,16 @@ def _amax(kept: dict, layer: int, tag, stable: int, rows: torch.Tensor) -> torch
     return torch.maximum(top, rows[..., stable:, :].abs().amax()) if rows.shape[-2] > stable else top
 
 
-def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor | None = None) -> torch.Tensor:
+def _scores(
+    state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor | None = None
+) -> torch.Tensor:
     """The layer's indexer scores for `q` of every cached key, or of the candidate positions `cand`.
     Index rows of keys the layer read from encoded storage never change while its generation holds:
     they are computed once (and, for lowrank, rounded to NVFP4 once while the tensor scale holds)."""
     cfg = state.cfg
     if cfg.indexer == "lowrank" and layer not in state.bases:
-        state.bases[layer] = key_basis(k[..., :, :], cfg.rank)  # fitted once, from the whole cache at the first sparse step
+        # fitted once, from the whole cache at the first sparse step
+        state.bases[layer] = key_basis(k[..., :, :], cfg.rank)
     basis = state.bases.get(layer)
     generation, stable = getattr(state.layers[layer], "read_prefix", (None, 0))
     if cfg.indexer == "exact":  # the keys themselves: nothing to keep
@@ -150,7 +178,10 @@ def _scores(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand
     else:
         rows = _extend(state.index, layer, generation, stable, lambda x: index_rows(cfg.indexer, x, basis), k)
     if cand is not None:  # a subset is held under its own scale
-        return score(cfg.indexer, q, held(cfg.indexer, rows.gather(2, cand[..., None].expand(-1, -1, -1, rows.shape[-1]))), basis)
+        return score(
+            cfg.indexer, q,
+            held(cfg.indexer, rows.gather(2, cand[..., None].expand(-1, -1, -1, rows.shape[-1]))), basis,
+        )
     if cfg.indexer == "lowrank" and rows.shape[-2]:
         scale = held_scale(_amax(state.amax, layer, generation, stable, rows))
         tag = None if generation is None else (generation, scale.item())

@@ -42,7 +42,9 @@ class Scripts:
     """Conversation scripts measured in the serving model's tokens."""
 
     def __init__(self, tokenizer, context: int, turns: int, tool_tokens: int = 200, seed: int = 0):
-        self.tok, self.context, self.turns, self.tool_tokens, self.seed = tokenizer, context, turns, tool_tokens, seed
+        self.tok, self.context, self.turns, self.tool_tokens, self.seed = (
+            tokenizer, context, turns, tool_tokens, seed,
+        )
         self.paragraphs = natural_paragraphs(seed)
 
     def _text(self, rng: random.Random, tokens: int, what: str) -> str:

@@ -80,7 +80,9 @@ def create_app(rt: Runtime) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _http_error(request, e: HTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers)
+        return JSONResponse(
+            error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):
@@ -91,8 +93,10 @@ def create_app(rt: Runtime) -> FastAPI:
     async def health():
         waiting, active = rt.worker.load()
         pending = rt.store.pending if rt.store is not None else 0
-        return {"status": "ok", "model": rt.cfg.name, "store": rt.store is not None, "pending_writes": pending,
-                "waiting": waiting, "active": active}
+        return {
+            "status": "ok", "model": rt.cfg.name, "store": rt.store is not None, "pending_writes": pending,
+            "waiting": waiting, "active": active,
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -102,8 +106,15 @@ def create_app(rt: Runtime) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         rt.keys.check(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": rt.cfg.name, "object": "model", "created": rt.started,
-                                            "owned_by": "kvstrata", "max_model_len": rt.prompts.context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": rt.cfg.name, "object": "model", "created": rt.started, "owned_by": "kvstrata",
+                    "max_model_len": rt.prompts.context,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -135,11 +146,16 @@ async def _generate(rt: Runtime, request: Request, chat: bool):
     key = rt.keys.check(request.headers.get("authorization"))
     req = parse(await _read_body(request, rt.cfg.max_body_bytes), ChatRequest if chat else CompletionRequest)
     if req.model != rt.cfg.name:
-        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {rt.cfg.name!r}",
-                       param="model", code="model_not_found")
-    ids = await run_in_threadpool(rt.prompts.chat_ids if chat else rt.prompts.completion_ids,
-                                  req.messages if chat else req.prompt)
-    max_tokens = rt.prompts.max_tokens(len(ids), req.limit if chat else req.max_tokens, rt.cfg.default_max_tokens)
+        raise APIError(
+            404, f"the model {req.model!r} does not exist; this server serves {rt.cfg.name!r}",
+            param="model", code="model_not_found",
+        )
+    ids = await run_in_threadpool(
+        rt.prompts.chat_ids if chat else rt.prompts.completion_ids, req.messages if chat else req.prompt
+    )
+    max_tokens = rt.prompts.max_tokens(
+        len(ids), req.limit if chat else req.max_tokens, rt.cfg.default_max_tokens
+    )
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
     def emit(event):
@@ -148,15 +164,20 @@ async def _generate(rt: Runtime, request: Request, chat: bool):
         except RuntimeError:  # the event loop is gone (shutdown): nobody to tell
             pass
 
-    job = Job(ids, max_tokens, Sampling(req.temperature or 0.0, req.top_p if req.top_p is not None else 1.0, req.seed),
-              req.stops, tenant_salt(key, req.cache_salt), req.prompt_cache_retention or rt.cfg.default_retention,
-              arrived + rt.cfg.request_timeout_s, emit, arrived)
+    job = Job(
+        ids, max_tokens,
+        Sampling(req.temperature or 0.0, req.top_p if req.top_p is not None else 1.0, req.seed), req.stops,
+        tenant_salt(key, req.cache_salt), req.prompt_cache_retention or rt.cfg.default_retention,
+        arrived + rt.cfg.request_timeout_s, emit, arrived,
+    )
     rt.worker.submit(job)
     shape = _Shape(rt, chat)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_sse(job, events, shape, usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            _sse(job, events, shape, usage), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     while True:
         try:
             event = await asyncio.wait_for(events.get(), timeout=0.25)
@@ -180,27 +201,38 @@ class _Shape:
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": self.fp}
+        return {
+            "id": self.id, "object": obj, "created": self.created, "model": self.model,
+            "system_fingerprint": self.fp,
+        }
 
     @staticmethod
     def usage(o: Outcome) -> dict:
-        return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-                "total_tokens": o.prompt_tokens + o.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
+        return {
+            "prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+            "total_tokens": o.prompt_tokens + o.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
+        }
 
     def whole(self, o: Outcome) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
-                      "finish_reason": o.finish_reason}
+            choice = {
+                "index": 0, "message": {"role": "assistant", "content": o.text}, "logprobs": None,
+                "finish_reason": o.finish_reason,
+            }
         else:
             choice = {"index": 0, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": self.usage(o), "kvstrata": o.kvstrata()}
+        return {
+            **self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+            "usage": self.usage(o), "kvstrata": o.kvstrata(),
+        }
 
     def usage_chunk(self, o: Outcome) -> dict:
         """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
-        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": self.usage(o), "kvstrata": o.kvstrata()}
+        return {
+            **self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+            "usage": self.usage(o), "kvstrata": o.kvstrata(),
+        }
 
     def chunk(self, text: str | None, first: bool = False, finish: str | None = None) -> dict:
         if self.chat:
@@ -210,7 +242,9 @@ class _Shape:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        return {
+            **self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice],
+        }
 
 
 def _data(obj) -> str:
@@ -229,7 +263,9 @@ async def _sse(job: Job, events: asyncio.Queue, shape: _Shape, include_usage: bo
                 first = False
             elif event[0] == "done":
                 o: Outcome = event[1]
-                yield _data({**shape.chunk(None, first=first, finish=o.finish_reason), "kvstrata": o.kvstrata()})
+                yield _data(
+                    {**shape.chunk(None, first=first, finish=o.finish_reason), "kvstrata": o.kvstrata()}
+                )
                 if include_usage:
                     yield _data(shape.usage_chunk(o))
                 yield "data: [DONE]\n\n"

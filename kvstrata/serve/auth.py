@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 
 from kvstrata.serve.errors import APIError
+from kvstrata.textfile import read_text_file
 
 KEY_FILE_MAX_BYTES = 1 << 20
 
@@ -38,9 +39,9 @@ class APIKeys:
     def from_file(cls, path: str | Path | None) -> "APIKeys":
         if not path:
             return cls()
-        from kvstrata.textfile import read_text_file
 
-        lines = [line.strip() for line in read_text_file(path, "--api-key-file", KEY_FILE_MAX_BYTES).splitlines()]
+        lines = [line.strip() for line in read_text_file(
+            path, "--api-key-file", KEY_FILE_MAX_BYTES).splitlines()]
         keys = [line for line in lines if line and not line.startswith("#")]
         if not keys:
             raise ValueError(f"--api-key-file: {path} holds no keys")

@@ -94,18 +94,20 @@ def markdown(s: dict) -> str:
     if "probe" in s:
         p = s["probe"]
         lines += [f"Probe, 1 client, {p['prompt_tokens']}-token prompt: cold {_fmt(p['cold_ttft_s'], ' s')}, "
-                  f"warm {_fmt(p['warm_ttft_s'], ' s')} ({_fmt(p['warm_vs_cold'], ' %', 100)} of cold), replay "
-                  f"{_fmt(p['replay_ttft_s'], ' s')} ({_fmt(p['replay_vs_cold'], ' %', 100)}); HTTP + queueing "
-                  f"overhead p50 {_fmt(p['overhead_ms_p50'], ' ms')}, max {_fmt(p['overhead_ms_max'], ' ms')}.", ""]
-    lines += ["| phase | requests | errors | req/s | tok/s | TTFT p50 / p99 miss | hit | replay | later turns | "
-              "reuse (hit / any) | cached tokens |", "| --- " * 11 + "|"]
+                  f"warm {_fmt(p['warm_ttft_s'], ' s')} ({_fmt(p['warm_vs_cold'], ' %', 100)} of cold), "
+                  f"replay {_fmt(p['replay_ttft_s'], ' s')} ({_fmt(p['replay_vs_cold'], ' %', 100)}); HTTP "
+                  f"+ queueing overhead p50 {_fmt(p['overhead_ms_p50'], ' ms')}, max "
+                  f"{_fmt(p['overhead_ms_max'], ' ms')}.", ""]
+    lines += ["| phase | requests | errors | req/s | tok/s | TTFT p50 / p99 miss | hit | replay | later "
+              "turns | reuse (hit / any) | cached tokens |", "| --- " * 11 + "|"]
     for name, ph in s["phases"].items():
         t = ph["ttft_s"]
         cell = lambda d: f"{_fmt(d['p50'], ' s')} / {_fmt(d['p99'], ' s')} (n={d['n']})"  # noqa: E731
-        lines.append(f"| {name.replace('_', '-')} | {ph['requests']} | {ph['errors']} | {_fmt(ph['requests_per_s'])} | "
-                     f"{_fmt(ph['completion_tokens_per_s'])} | {cell(t['miss'])} | {cell(t['hit'])} | "
-                     f"{cell(t['replay'])} | {cell(ph['ttft_later_turns_s'])} | "
-                     f"{_fmt(ph['hit_rate_later_turns'], ' %', 100)} / {_fmt(ph['reuse_rate_later_turns'], ' %', 100)} | "
+        lines.append(f"| {name.replace('_', '-')} | {ph['requests']} | {ph['errors']} | "
+                     f"{_fmt(ph['requests_per_s'])} | {_fmt(ph['completion_tokens_per_s'])} | "
+                     f"{cell(t['miss'])} | {cell(t['hit'])} | {cell(t['replay'])} | "
+                     f"{cell(ph['ttft_later_turns_s'])} | {_fmt(ph['hit_rate_later_turns'], ' %', 100)} / "
+                     f"{_fmt(ph['reuse_rate_later_turns'], ' %', 100)} | "
                      f"{_fmt(ph['cached_token_share'], ' %', 100)} |")
     r = s["ratios"]
     lines += ["", f"Later-turn TTFT, store on / off: p50 {_fmt(r['ttft_p50_later_turns'], ' %', 100)}, "
@@ -119,11 +121,11 @@ def markdown(s: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional dependency (the bench extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
+    import matplotlib.pyplot as plt  # optional dependency (the bench extra)
+    from matplotlib.ticker import MaxNLocator  # optional dependency (the bench extra)
 
     fig, (by_turn, by_kind) = plt.subplots(1, 2, figsize=(11, 4))
     for name, style in (("store", "o-"), ("no_store", "s--")):
@@ -135,7 +137,8 @@ def plot(result: dict, path: Path) -> None:
     by_turn.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_turn.legend()
     s = result["summary"]["phases"]
-    bars = [(f"{k} (on)", s["store"]["ttft_s"][k]) for k in KINDS] + [("miss (off)", s["no_store"]["ttft_s"]["miss"])]
+    bars = [(f"{k} (on)", s["store"]["ttft_s"][k])
+             for k in KINDS] + [("miss (off)", s["no_store"]["ttft_s"]["miss"])]
     bars = [(label, d) for label, d in bars if d["n"]]
     xs = range(len(bars))
     by_kind.bar([x - 0.2 for x in xs], [d["p50"] for _, d in bars], 0.4, label="p50")
@@ -143,8 +146,8 @@ def plot(result: dict, path: Path) -> None:
     by_kind.set_xticks(list(xs), [label for label, _ in bars])
     by_kind.set(yscale="log", ylabel="TTFT (s)", title="TTFT by store outcome")
     by_kind.legend()
-    fig.suptitle(f"serve-bench: {s['store']['requests']} requests per phase, {result['config']['clients']} clients, "
-                 f"{result['config']['model']}")
+    fig.suptitle(f"serve-bench: {s['store']['requests']} requests per phase, {result['config']['clients']} "
+                 f"clients, {result['config']['model']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

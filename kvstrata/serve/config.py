@@ -37,8 +37,10 @@ class ServeConfig:
             (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
             (self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}"),
             (self.default_max_tokens >= 1, f"default_max_tokens must be >= 1, got {self.default_max_tokens}"),
-            (self.replay_tokens is None or self.replay_tokens >= 0, f"replay_tokens must be >= 0, got {self.replay_tokens}"),
-            (self.default_retention in RETENTIONS, f"default_retention must be one of {RETENTIONS}, got {self.default_retention!r}"),
+            (self.replay_tokens is None or self.replay_tokens >= 0, "replay_tokens must be >= 0, got "
+                                                                    f"{self.replay_tokens}"),
+            (self.default_retention in RETENTIONS, f"default_retention must be one of {RETENTIONS}, got "
+                                                   f"{self.default_retention!r}"),
             (self.memory_global_gb > 0, f"memory_global_gb must be > 0, got {self.memory_global_gb}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
         ]

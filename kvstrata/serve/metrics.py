@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvstrata.place.tier import TierStats
@@ -27,13 +34,20 @@ class _StoreCollector:
     def collect(self):
         counters = [f.name for f in fields(TierStats) if f.name != "extra"]
         for name in counters:
-            fam = CounterMetricFamily(f"kvstrata_store_{name}", f"store tier {name} (TierStats.{name})", labels=["tier"])
+            fam = CounterMetricFamily(
+                f"kvstrata_store_{name}", f"store tier {name} (TierStats.{name})", labels=["tier"])
             for tier_name, tier in self.store.tiers().items():
                 fam.add_metric([tier_name], getattr(tier.stats, name))
             yield fam
-        yield GaugeMetricFamily("kvstrata_store_pending_writes", "records accepted, not yet written", value=self.store.pending)
-        yield CounterMetricFamily("kvstrata_store_write_failures", "record writes that raised", value=self.store.write_failures)
-        swa = GaugeMetricFamily("kvstrata_store_memory_bytes", "bytes held by in-process tiers", labels=["tier"])
+        yield GaugeMetricFamily(
+            "kvstrata_store_pending_writes", "records accepted, not yet written", value=self.store.pending
+        )
+        yield CounterMetricFamily(
+            "kvstrata_store_write_failures", "record writes that raised", value=self.store.write_failures
+        )
+        swa = GaugeMetricFamily(
+            "kvstrata_store_memory_bytes", "bytes held by in-process tiers", labels=["tier"]
+        )
         swa.add_metric(["swa"], self.store.swa_tier.nbytes())
         swa.add_metric(["memory_global"], self.store.memory.global_tier.nbytes())
         yield swa
@@ -42,15 +56,27 @@ class _StoreCollector:
 class Metrics:
     def __init__(self, store=None):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvstrata_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "kvstrata_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
+        )
         self.prompts = Counter("kvstrata_prompts", "prompts served, by store outcome", ["kind"], registry=r)
         self.prompt_tokens = Counter("kvstrata_prompt_tokens", "prompt tokens", registry=r)
-        self.cached_tokens = Counter("kvstrata_cached_tokens", "prompt tokens not run through the model", registry=r)
-        self.computed_tokens = Counter("kvstrata_computed_tokens", "prompt tokens run through the model", registry=r)
+        self.cached_tokens = Counter(
+            "kvstrata_cached_tokens", "prompt tokens not run through the model", registry=r
+        )
+        self.computed_tokens = Counter(
+            "kvstrata_computed_tokens", "prompt tokens run through the model", registry=r
+        )
         self.generated_tokens = Counter("kvstrata_generated_tokens", "completion tokens", registry=r)
-        self.finished = Counter("kvstrata_requests_finished", "generations ended, by reason", ["reason"], registry=r)
-        self.ttft = Histogram("kvstrata_ttft_seconds", "worker start to first token", ["kind"], buckets=TTFT_BUCKETS, registry=r)
-        self.queue_wait = Histogram("kvstrata_queue_seconds", "arrival to worker start", buckets=TTFT_BUCKETS, registry=r)
+        self.finished = Counter(
+            "kvstrata_requests_finished", "generations ended, by reason", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvstrata_ttft_seconds", "worker start to first token", ["kind"], buckets=TTFT_BUCKETS, registry=r
+        )
+        self.queue_wait = Histogram(
+            "kvstrata_queue_seconds", "arrival to worker start", buckets=TTFT_BUCKETS, registry=r
+        )
         self.waiting = Gauge("kvstrata_requests_waiting", "requests queued for the worker", registry=r)
         self.active = Gauge("kvstrata_requests_active", "requests the worker is running", registry=r)
         if store is not None:
@@ -59,7 +85,9 @@ class Metrics:
     def request(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
 
-    def prompt(self, kind: str, prompt_tokens: int, cached: int, computed: int, ttft_s: float, queue_s: float) -> None:
+    def prompt(
+        self, kind: str, prompt_tokens: int, cached: int, computed: int, ttft_s: float, queue_s: float
+    ) -> None:
         self.prompts.labels(kind).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached)

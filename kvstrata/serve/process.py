@@ -55,7 +55,8 @@ class ServerProcess:
             except OSError:
                 time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"kvstrata serve did not answer /health within {timeout_s:.0f} s: {self.log_tail()}")
+        raise RuntimeError(f"kvstrata serve did not answer /health within {timeout_s:.0f} s: "
+                           f"{self.log_tail()}")
 
     def log_tail(self, chars: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -68,8 +69,11 @@ class ServerProcess:
         return json.loads(self._get("/health"))
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` (e.g. `kvstrata_store_corrupt_total`) whose labels include `labels`."""
-        from prometheus_client.parser import text_string_to_metric_families
+        """Sum of the samples of `name` (e.g. `kvstrata_store_corrupt_total`) whose labels include
+        `labels`."""
+        from prometheus_client.parser import (
+            text_string_to_metric_families,  # optional dependency (the serve extra)
+        )
 
         total = 0.0
         for fam in text_string_to_metric_families(self._get("/metrics").decode()):

@@ -10,7 +10,6 @@ import threading
 
 from kvstrata.serve.errors import APIError
 
-
 #: no tokenizer here averages this many bytes per token: longer text cannot fit the context, and is
 #: refused before it is tokenized (tokenizing megabytes would stall the worker, which shares the lock)
 MAX_BYTES_PER_TOKEN = 64
@@ -26,7 +25,9 @@ class Prompts:
         if isinstance(prompt, list):
             bad = next((t for t in prompt if not 0 <= t < self.vocab), None)
             if bad is not None:
-                raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab})", param="prompt")
+                raise APIError(
+                    400, f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab})", param="prompt"
+                )
             return self._checked(list(prompt), "prompt")
         self._fits(len(prompt.encode()), "prompt")
         with self._lock:
@@ -35,29 +36,44 @@ class Prompts:
     def chat_ids(self, messages) -> list[int]:
         """Messages through the tokenizer's chat template, with the assistant's turn opened."""
         if not getattr(self.tok, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions with a prompt",
-                           param="messages", code="no_chat_template")
-        convo = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+            raise APIError(
+                400, "this model's tokenizer has no chat template: use /v1/completions with a prompt",
+                param="messages", code="no_chat_template",
+            )
+        convo = [
+            {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages
+        ]
         self._fits(sum(len(m["content"].encode()) for m in convo), "messages")
         with self._lock:
             try:
                 text = self.tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # the template's own checks (e.g. roles must alternate) raise
-                raise APIError(400, f"messages: the chat template refused them: {e}", param="messages") from None
+                raise APIError(
+                    400, f"messages: the chat template refused them: {e}", param="messages"
+                ) from None
             return self._checked(self.tok(text, add_special_tokens=False).input_ids, "messages")
 
     def _fits(self, nbytes: int, param: str) -> None:
         if nbytes > self.context * MAX_BYTES_PER_TOKEN:
-            raise APIError(400, f"the prompt is {nbytes} bytes: far more than this model's context of {self.context} "
-                           "tokens can hold", param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt is {nbytes} bytes: far more than this model's context of {self.context} tokens "
+                "can hold",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise APIError(400, "the prompt is empty", param=param)
         if len(ids) >= self.context:
-            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {self.context} tokens "
-                           "(the prompt must leave room for at least one new token)", param=param,
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt is {len(ids)} tokens; this model's context is {self.context} tokens (the "
+                "prompt must leave room for at least one new token)",
+                param=param,
+                code="context_length_exceeded",
+            )
         return ids
 
     def max_tokens(self, prompt_tokens: int, asked: int | None, default: int) -> int:
@@ -66,9 +82,13 @@ class Prompts:
         if asked is None:
             return min(default, room)
         if asked > room:
-            raise APIError(400, f"max_tokens: {asked} new tokens after a {prompt_tokens}-token prompt exceed this "
-                           f"model's context of {self.context} tokens (at most {room} fit)", param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"max_tokens: {asked} new tokens after a {prompt_tokens}-token prompt exceed this model's "
+                f"context of {self.context} tokens (at most {room} fit)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return asked
 
     def decode(self, ids: list[int]) -> str:

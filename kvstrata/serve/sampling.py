@@ -16,7 +16,8 @@ class Sampling:
 
     def __post_init__(self):
         if not 0 <= self.temperature <= 2 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature must be in [0, 2] and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+            raise ValueError(f"temperature must be in [0, 2] and top_p in (0, 1], got {self.temperature}, "
+                             f"{self.top_p}")
 
 
 class Sampler:
@@ -36,7 +37,8 @@ class Sampler:
         probs = torch.softmax(logits[0].float() / self.params.temperature, dim=-1)
         if self.params.top_p < 1:
             sorted_p, order = probs.sort(descending=True)
-            outside = sorted_p.cumsum(0) - sorted_p >= self.params.top_p  # mass before this token already >= top_p
+            # mass before this token already >= top_p
+            outside = sorted_p.cumsum(0) - sorted_p >= self.params.top_p
             sorted_p[outside] = 0
             return int(order[torch.multinomial(sorted_p, 1, generator=self.generator)])
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -10,7 +10,16 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from kvstrata.serve.errors import APIError
 
@@ -97,7 +106,8 @@ class CompletionRequest(_Sampling):
     def _one_prompt(cls, v):
         if isinstance(v, list) and (not v or isinstance(v[0], str)):
             if len(v) != 1:
-                raise ValueError("exactly one prompt per request (a string, a list of one string, or token ids)")
+                raise ValueError("exactly one prompt per request (a string, a list of one string, or token "
+                                 "ids)")
             return v[0]
         return v
 
@@ -158,4 +168,5 @@ def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:
 
 def _path(loc: tuple) -> list[str]:
     """A pydantic error location without the tags of union alternatives (`str`, `list[int]`)."""
-    return [str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool")))]
+    internal = ("str", "int", "float", "bool")
+    return [str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in internal))]

@@ -7,6 +7,8 @@ import sys
 import time
 
 from kvstrata.methods import parse_method
+from kvstrata.models import load
+from kvstrata.models.loader import check
 from kvstrata.place.config import StoreConfig
 from kvstrata.serve.app import Runtime, create_app
 from kvstrata.serve.auth import APIKeys
@@ -21,8 +23,6 @@ from kvstrata.serve.write_behind import WriteBehindStore
 def build(cfg: ServeConfig):
     """The ASGI app for `cfg` and a line saying where its store is; settings are checked and the store
     opened (its root, secret, Redis) before the model loads."""
-    from kvstrata.models import load
-    from kvstrata.models.loader import check
 
     store_cfg = StoreConfig.load(cfg.store_config or None)
     keys = APIKeys.from_file(cfg.api_key_file)
@@ -36,18 +36,24 @@ def build(cfg: ServeConfig):
     metrics = Metrics(store)
     worker = Worker(model, sessions, prompts.decode, prompts.eos_ids(model), prompts.context, metrics,
                     cfg.max_active, cfg.max_queue)
-    rt = Runtime(cfg, prompts, worker, metrics, keys, store, sessions.namespace[:16] or "no-store", int(time.time()))
-    where = "off (every request a full prefill)" if store is None else (
-        f"Redis {store.global_tier.where}" if store_cfg.redis_url else f"disk {store_cfg.root}")  # never a password
+    rt = Runtime(cfg, prompts, worker, metrics, keys, store,
+                 sessions.namespace[:16] or "no-store", int(time.time()))
+    where = (
+        "off (every request a full prefill)"
+        if store is None
+        else (f"Redis {store.global_tier.where}" if store_cfg.redis_url else f"disk {store_cfg.root}")
+    )  # never a password
     return create_app(rt), f"store {where}; block {store_cfg.block_size} tokens"
 
 
 def run(cfg: ServeConfig) -> int:
-    import uvicorn
+    import uvicorn  # optional dependency (the serve extra)
 
     app, store = build(cfg)
-    print(f"kvstrata serve: {cfg.name} ({cfg.method}) on http://{cfg.host}:{cfg.port}/v1; {store}",
-          file=sys.stderr, flush=True)
+    print(
+        f"kvstrata serve: {cfg.name} ({cfg.method}) on http://{cfg.host}:{cfg.port}/v1; {store}",
+        file=sys.stderr, flush=True,
+    )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
     return 0

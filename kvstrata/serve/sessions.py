@@ -39,8 +39,10 @@ class Sessions:
     def _server(self, tenant: bytes) -> PrefixServer:
         server = self._servers.get(tenant)
         if server is None:
-            server = PrefixServer(self.model, self.store, self.method, block_size=self.block, n_win=self.n_win,
-                                  tenant=tenant, fingerprint=self.fingerprint)
+            server = PrefixServer(
+                self.model, self.store, self.method, block_size=self.block, n_win=self.n_win, tenant=tenant,
+                fingerprint=self.fingerprint,
+            )
             self._servers[tenant] = server
             if len(self._servers) > MAX_TENANTS:
                 self._servers.popitem(last=False)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.hf.run import forward
 from kvstrata.hf.reading import reading
+from kvstrata.hf.run import forward
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
 from kvstrata.serve.text import TextStream
@@ -70,9 +70,11 @@ class Outcome:
         return self.prompt_tokens - self.computed_tokens
 
     def kvstrata(self) -> dict:
-        return {"kind": self.kind, "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
-                "ttft_s": round(self.ttft_s, 6), "queue_s": round(self.queue_s, 6), "write_s": round(self.write_s, 6),
-                "timed_out": self.timed_out}
+        return {
+            "kind": self.kind, "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
+            "ttft_s": round(self.ttft_s, 6), "queue_s": round(self.queue_s, 6),
+            "write_s": round(self.write_s, 6), "timed_out": self.timed_out,
+        }
 
 
 class _Run:
@@ -90,9 +92,13 @@ class _Run:
 
 
 class Worker:
-    def __init__(self, model, sessions, decode: Callable[[list[int]], str], eos_ids: set[int], context: int,
-                 metrics, max_active: int = 4, max_queue: int = 16):
-        self.model, self.sessions, self.decode, self.eos, self.context = model, sessions, decode, eos_ids, context
+    def __init__(
+        self, model, sessions, decode: Callable[[list[int]], str], eos_ids: set[int], context: int, metrics,
+        max_active: int = 4, max_queue: int = 16,
+    ):
+        self.model, self.sessions, self.decode, self.eos, self.context = (
+            model, sessions, decode, eos_ids, context,
+        )
         self.metrics, self.max_active, self.max_queue = metrics, max_active, max_queue
         self._waiting: deque[Job] = deque()
         self._active = 0
@@ -122,8 +128,11 @@ class Worker:
                 raise APIError(503, "the server is shutting down")
             if len(self._waiting) + self._active >= self.max_active + self.max_queue:
                 wait = math.ceil(self._service_s * (len(self._waiting) + 1) / self.max_active)
-                raise APIError(429, f"the server is busy ({self._active} running, {len(self._waiting)} waiting); "
-                               "retry later", code="queue_full", headers={"Retry-After": str(min(max(wait, 1), 60))})
+                raise APIError(
+                    429,
+                    f"the server is busy ({self._active} running, {len(self._waiting)} waiting); retry later",
+                    code="queue_full", headers={"Retry-After": str(min(max(wait, 1), 60))},
+                )
             self._waiting.append(job)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
@@ -209,9 +218,13 @@ class Worker:
         if rest:
             job.emit(("text", rest))
         queue_s = run.started - job.arrived
-        out = Outcome(run.text.text, reason, len(job.ids), run.tokens, served.kind, served.reused_tokens,
-                      served.computed_tokens, run.ttft, queue_s, served.write_s, timed_out)
-        self.metrics.prompt(out.kind, out.prompt_tokens, out.cached_tokens, out.computed_tokens, out.ttft_s, queue_s)
+        out = Outcome(
+            run.text.text, reason, len(job.ids), run.tokens, served.kind, served.reused_tokens,
+            served.computed_tokens, run.ttft, queue_s, served.write_s, timed_out,
+        )
+        self.metrics.prompt(
+            out.kind, out.prompt_tokens, out.cached_tokens, out.computed_tokens, out.ttft_s, queue_s
+        )
         self.metrics.generated_tokens.inc(run.tokens)
         self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - run.started)
         job.emit(("done", out))

@@ -67,7 +67,9 @@ class WriteBehindStore(KVStore):
 
     def _memory_store(self, nbytes: int) -> KVStore:
         """The RAM tier for "in_memory" global KV: same SWA pool, same secret."""
-        return KVStore(MemoryTier(nbytes), self.swa_tier, self.retention_s, self.swa_ttl_s, secret=self.secret)
+        return KVStore(
+            MemoryTier(nbytes), self.swa_tier, self.retention_s, self.swa_ttl_s, secret=self.secret
+        )
 
     def tiers(self) -> dict:
         """Every tier by the name metrics give it."""
@@ -83,7 +85,9 @@ class WriteBehindStore(KVStore):
             if rec is not None:
                 return rec
             rec = self.memory.get_global(key, namespace)
-        if rec is not None and RETENTION.get() == "24h" and namespace is not None:  # promote to the persistent tier
+        if (
+            rec is not None and RETENTION.get() == "24h" and namespace is not None
+        ):  # promote to the persistent tier
             self._enqueue(_Pending("global", key, rec[0], dict(rec[1]), "24h", namespace))
         return rec
 

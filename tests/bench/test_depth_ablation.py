@@ -22,7 +22,9 @@ def ablation_dir(tmp_path_factory, tiny_llama):
 
 
 def _rows(out):
-    return [json.loads(line) for line in (out / depth_ablation.SUBDIR / "results.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (out / depth_ablation.SUBDIR / "results.jsonl").read_text().splitlines()
+    ]
 
 
 def test_rows_carry_head_modes(ablation_dir, tiny_llama):
@@ -37,7 +39,9 @@ def test_rows_carry_head_modes(ablation_dir, tiny_llama):
     probed = by[("depth:g=2,f=1,r=0.05,tol=0.3", "single")]["head_modes"]
     assert sum(probed.values()) == heads * groups_g2
     groups = by[("depth:g=2,f=1,mode=shared", "fidelity")]["head_mode_map"]
-    assert groups == [{"layers": [0, 1], "modes": ["shared"] * heads}, {"layers": [2, 3], "modes": ["shared"] * heads}]
+    assert groups == [
+        {"layers": [0, 1], "modes": ["shared"] * heads}, {"layers": [2, 3], "modes": ["shared"] * heads},
+    ]
     assert "head_modes" not in by[("bf16", "single")]
     # sharing 2 layers in 1 (bf16 coefficients) holds about half of bf16's bytes; exact holds them all
     assert shared["kv_bytes"] < 0.6 * by[("bf16", "single")]["kv_bytes"]
@@ -54,7 +58,11 @@ def test_report_section(ablation_dir):
     assert cells[-1] == "4 / 0 / 0"  # 2 heads x 2 groups, all shared
     png = out_png(ablation_dir)
     assert png.stat().st_size > 1000 and f"({depth_ablation.SUBDIR}/{png.name})" in md
-    assert "Most compressed method that shares depth (some head not exact) with single-needle retrieval within 1 point(s) of bf16" in md
+    assert (
+        "Most compressed method that shares depth (some head not exact) with single-needle retrieval "
+        "within 1 point(s) of bf16"
+        in md
+    )
     assert "Most compressed method here with single-needle retrieval within 2 point(s) of bf16" in md
 
 
@@ -70,11 +78,11 @@ def write_report_of(out):
 
 def test_frontier_picks_most_compressed_within_slack():
     ref = {"per_task": {"single": 1.0}, "compression": 1.0}
-    methods = {"bf16": ref,
-               "a": {"per_task": {"single": 1.0}, "compression": 2.0},
-               "b": {"per_task": {"single": 0.995}, "compression": 3.0},
-               "c": {"per_task": {"single": 0.5}, "compression": 8.0},
-               "d": {"per_task": {}, "compression": 9.0}}
+    methods = {
+        "bf16": ref, "a": {"per_task": {"single": 1.0}, "compression": 2.0},
+        "b": {"per_task": {"single": 0.995}, "compression": 3.0},
+        "c": {"per_task": {"single": 0.5}, "compression": 8.0}, "d": {"per_task": {}, "compression": 9.0},
+    }
     assert depth_ablation.frontier(methods, ref, 0.01)[0] == "b"
     assert depth_ablation.frontier(methods, ref, 0.0)[0] == "a"
     assert depth_ablation.frontier({"bf16": ref, "c": methods["c"]}, ref, 0.01) is None

@@ -21,11 +21,15 @@ def test_parse_peer_canonical_and_defaults():
     assert all(parse_peer(p).spec == p for p in DEFAULT_PEERS)
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("kvpress:nope:cr=0.5", "unknown press"), ("kvpress:snapkv:cr=1.5", "0 <= ratio < 1"),
-    ("kvpress:snapkv:keep=0.5", "cr=<ratio>"), ("qcache:fp8:int4", "unknown QuantizedCache backend"),
-    ("qcache:quanto:int3", "int2 or int4"), ("vllm:x:y", "unknown peer project"), ("kvpress:snapkv", "expected"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("kvpress:nope:cr=0.5", "unknown press"), ("kvpress:snapkv:cr=1.5", "0 <= ratio < 1"),
+        ("kvpress:snapkv:keep=0.5", "cr=<ratio>"), ("qcache:fp8:int4", "unknown QuantizedCache backend"),
+        ("qcache:quanto:int3", "int2 or int4"), ("vllm:x:y", "unknown peer project"),
+        ("kvpress:snapkv", "expected"),
+    ],
+)
 def test_parse_peer_errors_name_the_problem(spec, words):
     with pytest.raises(ValueError, match=words):
         parse_peer(spec)
@@ -60,8 +64,10 @@ def test_held_bytes_reaches_quantized_parts(tiny_llama, backend):
 @pytest.fixture(scope="module")
 def qcache_dir(tmp_path_factory, tiny_llama):
     out = tmp_path_factory.mktemp("peers")
-    cfg = BenchConfig(models=("tiny-llama",), lengths=(256,), n=1, tasks=("single", "fidelity"), methods=("bf16",),
-                      peers=("qcache:hqq:int4", "qcache:quanto:int2"), out=out)
+    cfg = BenchConfig(
+        models=("tiny-llama",), lengths=(256,), n=1, tasks=("single", "fidelity"), methods=("bf16",),
+        peers=("qcache:hqq:int4", "qcache:quanto:int2"), out=out,
+    )
     run(cfg, load_model=lambda name: (tiny_llama, byte_tokenizer()))
     return out
 
@@ -80,8 +86,10 @@ def test_qcache_rows_share_the_instances_and_count_held_bytes(qcache_dir):
 
 
 def test_peer_failure_is_a_reported_row(tmp_path, tiny_gemma):
-    cfg = BenchConfig(models=("tiny-gemma",), lengths=(256,), n=1, tasks=("single",), methods=("bf16",),
-                      peers=("qcache:hqq:int4",), out=tmp_path)
+    cfg = BenchConfig(
+        models=("tiny-gemma",), lengths=(256,), n=1, tasks=("single",), methods=("bf16",),
+        peers=("qcache:hqq:int4",), out=tmp_path,
+    )
     run(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     bad = [r for r in rows if r["method"] == "qcache:hqq:int4"]
@@ -96,15 +104,24 @@ def _method(family, bpt, **scores):
 
 
 def test_head_to_head_compares_inside_a_bytes_tier():
-    summary = {("m", 4096): {"tasks": ["single", "fidelity"], "usable": {"single": True}, "methods": {
-        "bf16": _method("reference", 1000, single=1.0, fidelity=1.0),
-        "nvfp4": _method("quantization", 280, single=0.9, fidelity=0.95),
-        "snapkv:keep=0.28": _method("eviction", 280, single=0.2, fidelity=0.5),
-        "kvpress:snapkv:cr=0.72": _method("peer", 290, single=0.5, fidelity=0.96),
-        "qcache:hqq:int2": _method("peer", 190, single=0.1, fidelity=0.3),  # no kvstrata row in its tier
-    }}}
+    summary = {
+        ("m", 4096): {
+            "tasks": ["single", "fidelity"], "usable": {"single": True},
+            "methods": {
+                "bf16": _method("reference", 1000, single=1.0, fidelity=1.0),
+                "nvfp4": _method("quantization", 280, single=0.9, fidelity=0.95),
+                "snapkv:keep=0.28": _method("eviction", 280, single=0.2, fidelity=0.5),
+                "kvpress:snapkv:cr=0.72": _method("peer", 290, single=0.5, fidelity=0.96),
+                "qcache:hqq:int2": _method(
+                    "peer", 190, single=0.1, fidelity=0.3
+                ),  # no kvstrata row in its tier
+            },
+        }
+    }
     md = head_to_head(summary)
     assert "| ≈ 1/4 of bf16 | single | `nvfp4` 0.90 | `kvpress:snapkv:cr=0.72` 0.50 | **kvstrata** |" in md
-    assert "| ≈ 1/4 of bf16 | fidelity (top-1) | `nvfp4` 0.95 | `kvpress:snapkv:cr=0.72` 0.96 | **tie** |" in md
+    assert (
+        "| ≈ 1/4 of bf16 | fidelity (top-1) | `nvfp4` 0.95 | `kvpress:snapkv:cr=0.72` 0.96 | **tie** |" in md
+    )
     assert "≤ 1/5" not in md
     assert tier(0.5) == "≈ 1/2 of bf16" and tier(0.9) is None

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kvstrata.bench.runner import BenchConfig, family, run
 from kvstrata.bench.report import write_report
+from kvstrata.bench.runner import BenchConfig, family, run
 from kvstrata.models.tiny import byte_tokenizer
 
 METHODS = ("dynamic", "bf16", "nvfp4", "int2:r=8,group=8", "streaming:keep=0.5", "snapkv:keep=0.3+fp8")

@@ -71,7 +71,8 @@ def test_vartrack_chain_and_probes():
         value = main.answers[0]
         assert probes[0].answers == (value,)
         # links appear in chain order in the context
-        names = [probes[0].text.split("VAR ")[1].split(" ")[0]] + [p.text.split("VAR ")[1].split(" ")[0] for p in probes[1:]]
+        names = [probes[0].text.split("VAR ")[1].split(" ")[0]] + \
+                                      [p.text.split("VAR ")[1].split(" ")[0] for p in probes[1:]]
         positions = [inst.context.index(f"VAR {n} =") for n in names]
         assert positions == sorted(positions)
 

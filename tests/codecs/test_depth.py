@@ -71,9 +71,11 @@ def test_cache_groups_adjacent_layers_and_encodes_whole_blocks(deep_llama):
 def test_depth_tracks_dense_and_works_in_generate(deep_llama):
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(4))
     ref = CompressedCache(deep_llama.config, "bf16")
-    a = torch.cat([forward(deep_llama, ids[:, :80], ref)] + [forward(deep_llama, ids[:, i : i + 1], ref) for i in range(80, 90)], 1)
+    a = torch.cat([forward(deep_llama, ids[:, :80], ref)] + \
+                  [forward(deep_llama, ids[:, i : i + 1], ref) for i in range(80, 90)], 1)
     cache = CompressedCache(deep_llama.config, "depth:g=4,f=3,r=0.5,block=8")
-    b = torch.cat([forward(deep_llama, ids[:, :80], cache)] + [forward(deep_llama, ids[:, i : i + 1], cache) for i in range(80, 90)], 1)
+    b = torch.cat([forward(deep_llama, ids[:, :80], cache)] + \
+                  [forward(deep_llama, ids[:, i : i + 1], cache) for i in range(80, 90)], 1)
     assert (a - b).abs().mean() < 0.05
     g = generate(deep_llama, byte_tokenizer(), ids[:, :40], "depth:g=2,block=8+nvfp4", max_new_tokens=5)
     assert len(g.new_tokens) == 5
@@ -93,11 +95,14 @@ def test_minicache_pairs_the_deeper_half_and_is_exact_when_nothing_merges(deep_l
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
     ref = CompressedCache(deep_llama.config, "fp8")
     exact = CompressedCache(deep_llama.config, "minicache:gamma=1.0,block=8+fp8")  # every token kept unmerged
-    a = torch.cat([forward(deep_llama, ids[:, :50], ref)] + [forward(deep_llama, ids[:, i : i + 1], ref) for i in range(50, 60)], 1)
-    b = torch.cat([forward(deep_llama, ids[:, :50], exact)] + [forward(deep_llama, ids[:, i : i + 1], exact) for i in range(50, 60)], 1)
+    a = torch.cat([forward(deep_llama, ids[:, :50], ref)] + \
+                  [forward(deep_llama, ids[:, i : i + 1], ref) for i in range(50, 60)], 1)
+    b = torch.cat([forward(deep_llama, ids[:, :50], exact)] + \
+                  [forward(deep_llama, ids[:, i : i + 1], exact) for i in range(50, 60)], 1)
     torch.testing.assert_close(a, b, atol=2e-3, rtol=0)  # only pending-token precision differs
     merged = CompressedCache(deep_llama.config, "minicache:gamma=0.0,block=8+fp8")
-    c = torch.cat([forward(deep_llama, ids[:, :50], merged)] + [forward(deep_llama, ids[:, i : i + 1], merged) for i in range(50, 60)], 1)
+    c = torch.cat([forward(deep_llama, ids[:, :50], merged)] + \
+                  [forward(deep_llama, ids[:, i : i + 1], merged) for i in range(50, 60)], 1)
     assert (a - c).abs().max() > 10 * (a - b).abs().max()
 
 
@@ -133,11 +138,14 @@ def test_gemma_global_layers_group_across_the_sliding_layers_between_them():
     model = AutoModelForCausalLM.from_config(Gemma3TextConfig(**base), dtype=torch.float32,
                                              attn_implementation="eager").eval()
     cache = CompressedCache(model.config, "depth:g=2,f=1,mode=shared,block=8")
-    assert [run for run, _ in cache.depth_groups] == [[1, 4]]  # layer 5 is left over, sliding layers untouched
+    # layer 5 is left over, sliding layers untouched
+    assert [run for run, _ in cache.depth_groups] == [[1, 4]]
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(6))
     ref = CompressedCache(model.config, "bf16")
-    a = torch.cat([forward(model, ids[:, :40], ref)] + [forward(model, ids[:, i : i + 1], ref) for i in range(40, 50)], 1)
-    b = torch.cat([forward(model, ids[:, :40], cache)] + [forward(model, ids[:, i : i + 1], cache) for i in range(40, 50)], 1)
+    a = torch.cat([forward(model, ids[:, :40], ref)] + [forward(model, ids[:, i : i + 1], ref)
+                  for i in range(40, 50)], 1)
+    b = torch.cat([forward(model, ids[:, :40], cache)] + \
+                  [forward(model, ids[:, i : i + 1], cache) for i in range(40, 50)], 1)
     assert torch.isfinite(b).all() and a.shape == b.shape
     assert cache.head_modes() == {"shared": model.config.num_key_value_heads}
     assert cache.nbytes()["total"] < ref.nbytes()["total"]

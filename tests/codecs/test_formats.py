@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvstrata import quantize
-from kvstrata.codecs.e2m1 import E2M1_VALUES, decode_e2m1, encode_e2m1
 from kvstrata.codecs import get_codec
+from kvstrata.codecs.e2m1 import E2M1_VALUES, decode_e2m1, encode_e2m1
 from kvstrata.codecs.mxfp4 import floor_log2, pow2
 from kvstrata.codecs.nvfp4 import tensor_scale
 
@@ -83,9 +83,11 @@ def test_nvfp4_rows_encoded_apart_under_the_whole_scale_equal_the_whole():
     x = torch.randn(2, 3, 40, 16) * torch.linspace(0.1, 5, 40)[:, None]
     whole = quantize(x, "nvfp4").dequantize()
     scale = tensor_scale(x.abs().amax())
-    parts = [get_codec("nvfp4").encode(x[..., a:b, :], scale).dequantize() for a, b in [(0, 7), (7, 39), (39, 40)]]
+    parts = [get_codec("nvfp4").encode(x[..., a:b, :], scale).dequantize()
+                       for a, b in [(0, 7), (7, 39), (39, 40)]]
     assert torch.equal(torch.cat(parts, -2), whole)
-    assert not torch.equal(quantize(x[..., :7, :], "nvfp4").dequantize(), whole[..., :7, :])  # their own scale differs
+    assert not torch.equal(quantize(x[..., :7, :], "nvfp4").dequantize(),
+                           whole[..., :7, :])  # their own scale differs
 
 
 def test_nvfp4_block_max_maps_to_six():

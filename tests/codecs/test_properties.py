@@ -37,6 +37,7 @@ def test_fp8_block_whose_scale_underflows_encodes_as_zeros():
 def test_nvfp4_round_trip_is_decode_of_encode(x, own, factor):
     """The unpacked shortcut (index rows held in NVFP4) reads back exactly what the codes do."""
     codec = NVFP4()
-    scale = None if own else codec.scale_for(x.float().abs().amax() * factor if x.numel() else torch.zeros(()))
+    scale = None if own else codec.scale_for(
+        x.float().abs().amax() * factor if x.numel() else torch.zeros(()))
     expected = codec.decode(codec.encode(x, scale))
     assert torch.equal(codec.round_trip(x, scale), expected)

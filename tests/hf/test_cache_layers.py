@@ -70,7 +70,8 @@ def test_sliding_layer_keeps_only_its_window(spec):
     assert torch.equal(full_k[-1][..., -1:, :], k[..., 49:50, :])
     dk, _ = layer.dense()
     assert dk.shape[-2] == window - 1
-    torch.testing.assert_close(dk, k[..., -(window - 1) :, :], atol=1.5, rtol=0)  # encoded, but the right tokens
+    torch.testing.assert_close(dk, k[..., -(window - 1) :, :], atol=1.5,
+                               rtol=0)  # encoded, but the right tokens
 
 
 def test_sliding_layer_frees_memory():

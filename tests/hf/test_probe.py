@@ -16,5 +16,6 @@ def test_probe_matches_the_model_and_records(tiny_gemma):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     assert tiny_gemma.config._attn_implementation != "kvstrata_probe"  # restored
     assert rec.queries[2].shape == (1, 4, 10, 32)  # layer 2 is global: 4 query heads, 10 window queries
-    assert rec.probs[2].shape == (1, 4, 10, 40) and rec.probs[0].shape[-1] <= 25  # sliding layers see their window
+    # sliding layers see their window
+    assert rec.probs[2].shape == (1, 4, 10, 40) and rec.probs[0].shape[-1] <= 25
     torch.testing.assert_close(rec.probs[2].sum(-1), torch.ones(1, 4, 10))

@@ -18,7 +18,8 @@ def test_chunked_prefill_holds_what_one_pass_holds(spec, arch, tiny_llama, tiny_
     prefill_chunked(model, chunked, ids[:, :-1], chunk=32)
     b = forward(model, ids[:, -1:], chunked)
     assert chunked.get_seq_length() == one.get_seq_length() == 150
-    assert [layer.stored_tokens() for layer in chunked.layers] == [layer.stored_tokens() for layer in one.layers]
+    assert [layer.stored_tokens() for layer in chunked.layers] == [layer.stored_tokens()
+                                for layer in one.layers]
     # later chunks attend to the earlier ones as stored (encoded): close to one full-precision pass
     assert (a[0, -1] - b[0, -1]).abs().max() < (0.05 if spec == "bf16" else 1.0)
 

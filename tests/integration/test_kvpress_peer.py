@@ -10,8 +10,13 @@ pytestmark = pytest.mark.integration
 
 
 def test_kvpress_presses_run_on_our_instances(tmp_path):
-    rc = main(["bench", "--model", "smollm2-135m", "--lengths", "1024", "--n", "1", "--tasks", "single,fidelity",
-               "--methods", "bf16", "--peers", "kvpress:streaming:cr=0.5,kvpress:knorm:cr=0.75", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "bench", "--model", "smollm2-135m", "--lengths", "1024", "--n", "1", "--tasks",
+            "single,fidelity", "--methods", "bf16", "--peers",
+            "kvpress:streaming:cr=0.5,kvpress:knorm:cr=0.75", "--out", str(tmp_path),
+        ]
+    )
     assert rc == 0
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     by = {(r["task"], r["method"]): r for r in rows}

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from kvstrata.text import natural_ids
 from kvstrata.models import load
 from kvstrata.place import KVStore, StoreConfig
 from kvstrata.place.serving import PrefixServer
+from kvstrata.text import natural_ids
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +20,12 @@ def test_real_model_store_hit_and_swapped_block(tmp_path):
     cfg.write_text(f"[store]\nroot = '{tmp_path / 'kv'}'\nblock_size = 128\n")
     config = StoreConfig.load(cfg, env={})
     ids = natural_ids(tok, 1100, seed=11)
-    server = PrefixServer(model, KVStore.from_config(config), "nvfp4;sliding=fp8", block_size=config.block_size)
+    server = PrefixServer(model, KVStore.from_config(
+        config), "nvfp4;sliding=fp8", block_size=config.block_size)
     cold = server.serve(ids)
     assert cold.kind == "miss"
-    again = PrefixServer(model, KVStore.from_config(config), "nvfp4;sliding=fp8", block_size=config.block_size)
+    again = PrefixServer(model, KVStore.from_config(
+        config), "nvfp4;sliding=fp8", block_size=config.block_size)
     warm = again.serve(ids)  # a new process would read the same secret and records
     assert warm.kind in ("hit", "replay") and warm.reused_tokens == 1024
     assert int(warm.logits.argmax()) == int(cold.logits.argmax())

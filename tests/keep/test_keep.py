@@ -56,9 +56,11 @@ def test_bad_keep_params():
 def test_keep_everything_equals_the_bf16_store(tiny_llama):
     ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(0))
     ref = CompressedCache(tiny_llama.config, "bf16")
-    a = [forward(tiny_llama, ids[:, :40], ref)] + [forward(tiny_llama, ids[:, i : i + 1], ref) for i in range(40, 50)]
+    a = [forward(tiny_llama, ids[:, :40], ref)] + [forward(tiny_llama, ids[:, i : i + 1], ref)
+                 for i in range(40, 50)]
     cache = CompressedCache(tiny_llama.config, "streaming:keep=1.0")
-    b = [forward(tiny_llama, ids[:, :40], cache)] + [forward(tiny_llama, ids[:, i : i + 1], cache) for i in range(40, 50)]
+    b = [forward(tiny_llama, ids[:, :40], cache)] + [forward(tiny_llama, ids[:, i : i + 1], cache)
+                 for i in range(40, 50)]
     torch.testing.assert_close(torch.cat(b, 1), torch.cat(a, 1), rtol=0, atol=0)
 
 

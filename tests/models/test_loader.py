@@ -40,7 +40,8 @@ def test_tiny_models_are_written_once_and_rewritten_when_stale(tmp_path, monkeyp
     assert path == tmp_path / "models" / "tiny-gemma3" and (path / "model.safetensors").exists()
     stamp = (path / COMPLETE_MARK).read_text()
     weights = (path / "model.safetensors").stat().st_mtime_ns
-    assert resolve("tiny-gemma3") == path and (path / "model.safetensors").stat().st_mtime_ns == weights  # reused
+    assert resolve("tiny-gemma3") == path and (path / \
+                   "model.safetensors").stat().st_mtime_ns == weights  # reused
     (path / COMPLETE_MARK).write_text("tiny from an older definition")
     resolve("tiny-gemma3")
     assert (path / COMPLETE_MARK).read_text() == stamp  # rewritten

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from kvstrata.codecs import quantize
-from kvstrata.models.v41 import V41Cache, V41ForCausalLM, preset
-from kvstrata.models.v41 import csa2
+from kvstrata.models.v41 import V41Cache, V41ForCausalLM, csa2, preset
 from kvstrata.models.v41_layout import totals
 
 
@@ -64,8 +63,10 @@ def test_modes_causality_and_hierarchical_newest_block(tiny):
         vis = csa2.visible(pos, ctx["m"])
         idx = ctx["idx"][0]
         assert (idx < vis[:, None]).all(), f"layer {layer} selected an entry its query may not read"
-        assert ((idx >= 0).sum(-1) == torch.clamp(vis, max=cfg.index_topk)).all()  # empty slots only when too few
-    assert torch.equal(seen[3]["idx"], seen[2]["idx"]) and torch.equal(seen[5]["idx"], seen[4]["idx"])  # Reuse
+        assert ((idx >= 0).sum(-1) == torch.clamp(vis, max=cfg.index_topk)
+                ).all()  # empty slots only when too few
+    assert torch.equal(seen[3]["idx"], seen[2]["idx"]) and torch.equal(
+        seen[5]["idx"], seen[4]["idx"])  # Reuse
     assert seen[3]["lat"] is seen[2]["lat"]
     cand = seen[4]["cand"][0]
     newest = torch.div(csa2.visible(pos, 1) - 1, cfg.hier_block, rounding_mode="floor")
@@ -206,7 +207,8 @@ def test_attention_sink_takes_mass_and_adds_nothing():
     g = torch.Generator().manual_seed(4)
     q, s = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 5, 8, generator=g)
     plain = csa2.attend(q, torch.arange(5), s, 0, 8, None, None)
-    torch.testing.assert_close(csa2.attend(q, torch.arange(5), s, 0, 8, None, None, torch.full((2,), float("-inf"))), plain)
+    torch.testing.assert_close(csa2.attend(q, torch.arange(5), s, 0, 8, None,
+                               None, torch.full((2,), float("-inf"))), plain)
     sunk = csa2.attend(q, torch.arange(5), s, 0, 8, None, None, torch.tensor([40.0, float("-inf")]))
     assert sunk[:, 0].abs().max() < 1e-6  # head 0 attends to its sink: nothing added
     torch.testing.assert_close(sunk[:, 1], plain[:, 1])

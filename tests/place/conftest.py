@@ -1,4 +1,5 @@
-"""Redis fixtures: one server, servers with extra arguments, a 3-master cluster (helpers in tests/redis_helpers.py)."""
+"""Redis fixtures: one server, servers with extra arguments, a 3-master cluster (helpers in
+tests/redis_helpers.py)."""
 
 import subprocess
 import time
@@ -35,9 +36,18 @@ def redis_cluster(tmp_path):
 
     binary = redis_binary()
     ports = [free_port(bus=True) for _ in range(3)]
-    procs = [subprocess.Popen([binary, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                               "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no"],
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    procs = [
+        subprocess.Popen(
+            [
+                binary, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no",
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
     try:
         for p in ports:
             for _ in range(100):
@@ -46,8 +56,15 @@ def redis_cluster(tmp_path):
                     break
                 except redis.exceptions.ConnectionError:
                     time.sleep(0.05)
-        made = subprocess.run([redis_cli(binary), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                               "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        made = subprocess.run(
+            [
+                redis_cli(binary), "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas", "0", "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if made.returncode:
             pytest.fail(f"redis-cli --cluster create failed: {made.stdout[-800:]} {made.stderr[-800:]}")
         for _ in range(200):

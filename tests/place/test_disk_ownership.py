@@ -68,7 +68,9 @@ def test_junk_entries_are_skipped_reported_and_never_followed_read_or_deleted(tm
         d.delete(key)  # never deleted
     assert d.stats.skipped == 18 and d.stats.corrupt == 0  # get, put and delete of 6 junk names
     assert {p.name for p in tmp_path.iterdir()} - set(OWN_FILES) == names
-    assert (tmp_path / "huge.kv").stat().st_size == 8 << 30 and (tmp_path / "zeros.kv").read_bytes() == b"\0" * 12
+    assert (tmp_path / "huge.kv").stat().st_size == 8 << 30 and (
+        tmp_path / "zeros.kv"
+    ).read_bytes() == b"\0" * 12
     assert d.nbytes() == (tmp_path / "real.kv").stat().st_size  # junk holds none of the capacity
 
 
@@ -102,8 +104,9 @@ def test_temp_files_are_reaped_only_when_their_writer_is_gone_or_they_are_old(tm
     DiskTier(tmp_path, 1 << 20)
     fd, live = new_temp(tmp_path)  # this process is alive: an in-flight write
     os.close(fd)
-    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+    dead_pid = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     dead = live.replace(f"-tmp-{os.getpid()}-", f"-tmp-{dead_pid}-")
     old = re.sub(r"-[0-9a-f]{12}-", "-000000000000-", live, count=1)  # this live writer, but an hour old
     for p in (dead, old):
@@ -133,7 +136,9 @@ for _ in range(int(sys.argv[2])):
 
 def test_a_writers_in_flight_temp_files_survive_concurrent_opens(tmp_path):
     DiskTier(tmp_path, 1 << 30)
-    writer = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), "300"], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", CHURN, str(tmp_path), "300"], stdout=subprocess.PIPE, text=True
+    )
     openers = [subprocess.Popen([sys.executable, "-c", OPENS, str(tmp_path), "60"]) for _ in range(2)]
     opened_here = 0
     while writer.poll() is None and opened_here < 200:  # bounded: at most 200 opens in this process
@@ -155,8 +160,10 @@ print(sum(d.put(f"{sys.argv[2]}{i}", b"x" * (1 << 20)) for i in range(8)))
 
 def test_two_processes_share_one_capacity(tmp_path):
     DiskTier(tmp_path, 5 << 20)
-    procs = [subprocess.Popen([sys.executable, "-c", FILL, str(tmp_path), tag], stdout=subprocess.PIPE, text=True)
-             for tag in ("a", "b")]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", FILL, str(tmp_path), tag], stdout=subprocess.PIPE, text=True)
+        for tag in ("a", "b")
+    ]
     accepted = sum(int(p.communicate(timeout=300)[0]) for p in procs)
     on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.kv"))
     assert accepted == 4 and on_disk <= 5 << 20  # 8 MiB offered by two writers into a 5 MiB tier
@@ -182,7 +189,9 @@ def test_a_read_only_root_is_a_clear_error_at_open():
         os.chmod(root, 0o755)
         DiskTier(root, 1 << 20)
         os.chmod(root, 0o555)
-        out = subprocess.run([sys.executable, "-c", READ_ONLY, root], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", READ_ONLY, root], capture_output=True, text=True, timeout=120
+        )
         assert "is not writable" in out.stdout, out.stderr[-2000:]
     finally:
         os.chmod(root, 0o755)

@@ -15,8 +15,10 @@ def test_keys_are_pinned_and_stable_across_processes():
     # pinned: a change here invalidates every stored cache (bump LAYOUT_VERSION instead)
     assert keys[0].hex()[:16] == PINNED
     code = ("from kvstrata.place.prefix_keys import block_hashes, namespace;"
-            "print(block_hashes(list(range(8)), 4, namespace('model-a','nvfp4','float32'), b'tenant')[1].hex())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+            "print(block_hashes(list(range(8)), 4, namespace('model-a','nvfp4','float32'), "
+            "b'tenant')[1].hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                         text=True, check=True).stdout.strip()
     assert out == keys[1].hex()
 
 
@@ -40,7 +42,8 @@ def test_chain_depends_on_every_earlier_token():
 ])
 def test_anything_that_changes_bytes_changes_every_key(other):
     base = block_hashes(list(range(12)), 4, NS, b"tenant")
-    got = block_hashes(list(range(12)), 4, other.get("ns", NS), other.get("salt", b"tenant"), other.get("extra", b""))
+    got = block_hashes(list(range(12)), 4, other.get("ns", NS),
+                       other.get("salt", b"tenant"), other.get("extra", b""))
     assert not set(base) & set(got)
 
 

@@ -19,7 +19,8 @@ from kvstrata.place.records import encode_record, seal
 from kvstrata.place.store import KVStore
 
 SECRET = b"f" * 32
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[
+                    HealthCheck.function_scoped_fixture])
 BLOCK = {"k": torch.arange(64, dtype=torch.uint8).reshape(4, 16)}
 
 
@@ -49,9 +50,11 @@ def test_resigned_garbage_payload_is_a_counted_miss(payload):
     assert_counted_miss_and_removed(s, "k1", 0)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                           max_leaves=6)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
 
 
 @SETTINGS
@@ -83,7 +86,9 @@ def test_file_copied_over_another_key_on_disk_is_caught_by_get_verify_and_gc(tmp
     for k in ("b0", "b1", "b2", "b3"):
         s.put_global(k, BLOCK, {"block": k})
     shutil.copyfile(tmp_path / "b0.kv", tmp_path / "b2.kv")
-    assert s.get_global("b2") is None and s.global_tier.stats.corrupt == 1 and not (tmp_path / "b2.kv").exists()
+    assert (
+        s.get_global("b2") is None and s.global_tier.stats.corrupt == 1 and not (tmp_path / "b2.kv").exists()
+    )
     shutil.copyfile(tmp_path / "b0.kv", tmp_path / "b3.kv")
     assert s.verify()["corrupt_removed"] == 1
     shutil.copyfile(tmp_path / "b0.kv", tmp_path / "b1.kv")
@@ -95,7 +100,9 @@ def test_file_copied_over_another_key_on_disk_is_caught_by_get_verify_and_gc(tmp
 def test_resigned_unparseable_payload_is_counted_by_verify_and_gc_not_raised(tmp_path, admin):
     s = KVStore(DiskTier(tmp_path, 1 << 20), MemoryTier(1 << 20), secret=SECRET)
     s.put_global("good", BLOCK, {})
-    s.global_tier.put("bad", seal(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}", key="bad", secret=SECRET))
+    s.global_tier.put(
+        "bad", seal(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}", key="bad", secret=SECRET)
+    )
     assert getattr(s, admin)()["corrupt_removed"] == 1
     assert s.global_tier.keys() == ["good"]
 

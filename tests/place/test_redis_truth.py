@@ -16,7 +16,8 @@ BLOCK = {"k": torch.zeros(4, 16, dtype=torch.uint8)}
 
 
 def config(tmp_path, url: str, **extra) -> str:
-    lines = [f"root = '{tmp_path / 'root'}'", f"redis_url = '{url}'", "redis_timeout_seconds = 0.3", f"secret = '{SECRET}'"]
+    lines = [f"root = '{tmp_path / 'root'}'", f"redis_url = '{url}'",
+        "redis_timeout_seconds = 0.3", f"secret = '{SECRET}'"]
     lines += [f"{k} = {json.dumps(v)}" for k, v in extra.items()]
     path = tmp_path / "store.toml"
     path.write_text("[store]\n" + "\n".join(lines) + "\n")
@@ -36,7 +37,9 @@ def cli(argv, capsys) -> tuple[int, str, str]:
     ("nosuchuser:pw@", "refused authentication"),
 ])
 @pytest.mark.parametrize("action", ["stats", "verify", "gc"])
-def test_wrong_or_missing_password_is_an_error_not_an_empty_store(start_redis, tmp_path, capsys, userinfo, words, action):
+def test_wrong_or_missing_password_is_an_error_not_an_empty_store(
+    start_redis, tmp_path, capsys, userinfo, words, action
+):
     server = start_redis(password="right-pw")
     url = f"redis://{userinfo}127.0.0.1:{server.port}/0"
     code, err, _ = cli(["store", action, "--config", config(tmp_path, url)], capsys)
@@ -66,13 +69,21 @@ def test_killed_server_is_an_error_for_admin_and_a_miss_for_serving(start_redis,
 def test_full_noeviction_server_refuses_and_counts(start_redis, tmp_path):
     server = start_redis("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
     store = KVStore.from_config(StoreConfig.load(config(tmp_path, server.url), env={}))
-    big = {"k": torch.randint(0, 255, (256 * 1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))}
+    big = {
+        "k": torch.randint(
+            0, 255, (256 * 1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+        )
+    }
     accepted = [store.put_global(f"b{i}", big, {}) for i in range(24)]  # never raises
     tier = store.global_tier
     assert not all(accepted) and tier.stats.refused == accepted.count(False)
     assert tier.stats.extra["refused_out_of_memory"] == accepted.count(False)
-    assert all(store.get_global(f"b{i}") is not None for i, ok in enumerate(accepted) if ok)  # nothing evicted
-    assert not tier.put_many([("m1", b"x" * 400_000), ("m2", b"y" * 400_000)]) and tier.stats.refused > accepted.count(False)
+    assert all(
+        store.get_global(f"b{i}") is not None for i, ok in enumerate(accepted) if ok
+    )  # nothing evicted
+    assert not tier.put_many(
+        [("m1", b"x" * 400_000), ("m2", b"y" * 400_000)]
+    ) and tier.stats.refused > accepted.count(False)
 
 
 @pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru", "allkeys-random"])
@@ -106,7 +117,7 @@ def test_retention_is_a_redis_ttl_and_gc_reports_it(start_redis, tmp_path):
 
 def test_redis_cluster_string_false_is_refused_not_truthy(tmp_path):
     cfg = tmp_path / "s.toml"
-    cfg.write_text("[store]\nredis_cluster = \"false\"\n")
+    cfg.write_text('[store]\nredis_cluster = "false"\n')
     with pytest.raises(ValueError, match="redis_cluster: expected true or false"):
         StoreConfig.load(cfg, env={})
     assert StoreConfig.load(None, env={"KVSTRATA_STORE_REDIS_CLUSTER": "false"}).redis_cluster is False

@@ -111,9 +111,12 @@ def _meta_mutations():
         "shape not numbers": lambda t, m, L: (t, {**m, f"{L}.k.shape": "a,b"}),
         "tokens not a number": lambda t, m, L: (t, {**m, f"{L}.tokens": "many"}),
         "a layer missing": lambda t, m, L: ({k: v for k, v in t.items() if not k.startswith(f"{L}.")}, m),
-        "a tensor cut short": lambda t, m, L: ({k: v[..., :1] if k.startswith(f"{L}.k") else v for k, v in t.items()}, m),
-        "another layer's index": lambda t, m, L: ({k.replace(f"{L}.", "99.", 1) if k.startswith(f"{L}.") else k: v
-                                                   for k, v in t.items()}, m),
+        "a tensor cut short": lambda t, m, L: (
+            {k: v[..., :1] if k.startswith(f"{L}.k") else v for k, v in t.items()}, m,
+        ),
+        "another layer's index": lambda t, m, L: (
+            {k.replace(f"{L}.", "99.", 1) if k.startswith(f"{L}.") else k: v for k, v in t.items()}, m,
+        ),
         "no metadata": lambda t, m, L: (t, {}),
     }
 
@@ -127,10 +130,17 @@ def test_resigned_record_that_does_not_decode_is_a_counted_miss(server, tiny_gem
     cold = server.serve(IDS)
     tier = server.store.global_tier if klass == "global" else server.store.swa_tier
     victim = sorted(tier.keys())[0]
-    tensors, meta = (server.store.get_global if klass == "global" else server.store.get_swa)(victim, server.ns)
+    tensors, meta = (server.store.get_global if klass == "global" else server.store.get_swa)(
+        victim, server.ns
+    )
     tensors, meta = _meta_mutations()[mutation](tensors, meta, min(int(k.split(".")[0]) for k in tensors))
-    tier.put(victim, encode_record(tensors, meta, key=victim, secret=server.store.secret, klass=klass,
-                                   namespace=server.ns), ttl_s=None if klass == "global" else 300)
+    tier.put(
+        victim,
+        encode_record(
+            tensors, meta, key=victim, secret=server.store.secret, klass=klass, namespace=server.ns
+        ),
+        ttl_s=None if klass == "global" else 300,
+    )
     again = server.serve(IDS)  # never raises
     assert tier.stats.corrupt == 1
     assert again.kind in (("miss", "replay") if klass == "global" else ("replay",))

@@ -1,13 +1,14 @@
 import pytest
 import torch
 
-from kvstrata.place import tier
+from kvstrata.place import records, tier
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
 from kvstrata.place.prefix_keys import block_hashes, namespace
 from kvstrata.place.redis_tier import RedisTier
 from kvstrata.place.store import KVStore
+from kvstrata.place.tier import Tier
 
 NS = namespace("m", "nvfp4", "float32")
 BLOCK = {"k": torch.zeros(4, 16, dtype=torch.uint8)}
@@ -116,7 +117,8 @@ def test_config_defaults_file_and_env(tmp_path):
     assert c.retention_hours == 72 and c.swa_ram_share == 0.10 and 60 <= c.swa_ttl_seconds <= 900
     f = tmp_path / "store.toml"
     f.write_text("[store]\nblock_size = 64\nswa_ttl_seconds = 120\n")
-    c = StoreConfig.load(f, env={"KVSTRATA_STORE_SWA_TTL_SECONDS": "90", "KVSTRATA_STORE_REDIS_CLUSTER": "true"})
+    c = StoreConfig.load(f, env={"KVSTRATA_STORE_SWA_TTL_SECONDS": "90",
+                         "KVSTRATA_STORE_REDIS_CLUSTER": "true"})
     assert c.block_size == 64 and c.swa_ttl_seconds == 90 and c.redis_cluster is True
     f.write_text("[store]\nblok_size = 3\n")
     with pytest.raises(ValueError, match="blok_size"):
@@ -145,3 +147,29 @@ def test_store_cli(tmp_path, capsys):
     assert main(["store", "stats", "--config", str(cfg)]) == 0
     assert json.loads(capsys.readouterr().out)["global"]["keys"] == 1
     assert (tmp_path / "kv" / "a3.kv").read_bytes() == b"\0" * 12
+
+
+def test_lookup_verifies_records_without_parsing_tensors(tmp_path, monkeypatch):
+    s = KVStore(DiskTier(tmp_path, 1 << 20), MemoryTier(1 << 20))
+    ks = keys(list(range(8)))
+    for k in ks[:2]:
+        s.put_global(k, BLOCK, {"tokens": 4})
+    s.put_swa(ks[1], BLOCK, {})
+
+    def no_parsing(payload):
+        raise AssertionError("lookup parsed a payload")
+
+    monkeypatch.setattr(records, "parse_payload", no_parsing)
+    found = s.lookup(ks)
+    assert (found.global_blocks, found.kind, len(found.payloads)) == (2, "hit", 2)
+    monkeypatch.undo()
+    tensors, meta = records.parse_payload(found.payloads[0])
+    assert torch.equal(tensors["k"], BLOCK["k"]) and meta == {"tokens": "4"}
+    assert s.lookup(ks, swa=False).kind == "hit" and s.lookup(ks[2:], swa=False).kind == "miss"
+
+
+def test_every_tier_has_what_the_store_calls():
+    members = [n for n in vars(Tier) if not n.startswith("_")] + list(Tier.__annotations__)
+    for cls in (MemoryTier, DiskTier, RedisTier):
+        assert all(hasattr(cls, n) for n in members if n != "stats"), cls.__name__
+    assert RedisTier.retention_by_ttl and not DiskTier.retention_by_ttl

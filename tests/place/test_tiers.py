@@ -14,7 +14,6 @@ from kvstrata.place.memory import MemoryTier
 from kvstrata.place.records import decode_record, encode_record
 from kvstrata.place.redis_tier import RedisTier
 
-
 SECRET = b"k" * 32
 
 
@@ -91,18 +90,24 @@ DiskTier(sys.argv[1], 1 << 30).put("key", bytes([int(sys.argv[2])]) * 2_000_000)
 def test_process_killed_mid_write_leaves_no_partial_record(tmp_path):
     d = DiskTier(tmp_path, 1 << 30)
     d.put("key", encode_record({"v": torch.zeros(10)}, {}, key="key", secret=SECRET))
-    p = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), "7", "30"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path),
+                         "7", "30"], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "written"  # temp file complete, rename pending
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    tensors, _ = decode_record(DiskTier(tmp_path, 1 << 30).get("key"), key="key", secret=SECRET)  # still the old, whole record
+    tensors, _ = decode_record(DiskTier(tmp_path, 1 << 30).get("key"), key="key",
+                               secret=SECRET)  # still the old, whole record
     assert torch.equal(tensors["v"], torch.zeros(10))
     assert not list(tmp_path.glob(".kvstrata-tmp-*"))  # reopening reaped the orphan: its writer is gone
 
 
 def test_two_writers_same_key_reader_sees_one_whole_value(tmp_path):
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(b), "0"], stdout=subprocess.DEVNULL)
-             for b in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(b), "0"], stdout=subprocess.DEVNULL
+        )
+        for b in (1, 2)
+    ]
     seen = set()
     d = DiskTier(tmp_path, 1 << 30)
     while any(p.poll() is None for p in procs):
@@ -144,7 +149,9 @@ def test_redis_slow_server_times_out_to_a_miss(redis_server):
 
     r = RedisTier(redis_server.url, prefix="t", socket_timeout=0.2, retries=0)
     r.put("a", b"1")
-    blocker = threading.Thread(target=lambda: redis.Redis(port=redis_server.port).execute_command("DEBUG", "SLEEP", "1"))
+    blocker = threading.Thread(
+        target=lambda: redis.Redis(port=redis_server.port).execute_command("DEBUG", "SLEEP", "1")
+    )
     blocker.start()
     time.sleep(0.1)
     t0 = time.perf_counter()

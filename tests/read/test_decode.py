@@ -13,7 +13,8 @@ from kvstrata.read.decode import EncodedView, decode_attention
 from kvstrata.read.kernels import cpu
 
 STORE = [n for n, e in METHODS.items() if e.stratum == "store"]
-SPECS = [f"{n}:r=0" if e.defaults.get("keys") == "channel" else n for n, e in METHODS.items() if e.stratum == "store"]
+SPECS = [f"{n}:r=0" if e.defaults.get("keys") == "channel" else n for n,
+                                      e in METHODS.items() if e.stratum == "store"]
 SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "fp8:block=32", "nvfp4;sliding=fp8", "mxfp4:r=5"]
 # depth-shared layers whose heads are all exact read their codes too (tiny Gemma-3 has one global
 # layer, so no group forms there and its layers stay per-layer)
@@ -146,7 +147,8 @@ def test_sparse_reads_from_codes_equal_gathering_from_dense(spec, tiny_llama, mo
         real_dense = CompressedLayer.dense
         with reading(tiny_llama, cache, parse_method(spec)) as state:
             out = [forward(tiny_llama, ids[:, :48], cache)]
-            monkeypatch.setattr(CompressedLayer, "dense", lambda self: dense_calls.append(1) or real_dense(self))
+            monkeypatch.setattr(CompressedLayer, "dense",
+                                lambda self: dense_calls.append(1) or real_dense(self))
             for i in range(48, 60):
                 out.append(forward(tiny_llama, ids[:, i : i + 1], cache))
             monkeypatch.setattr(CompressedLayer, "dense", real_dense)

@@ -5,12 +5,21 @@ import torch
 
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.layers import CompressedLayer
+from kvstrata.hf.reading import reading
 from kvstrata.hf.run import forward, generate
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
-from kvstrata.hf.reading import reading
 from kvstrata.read import TopK
-from kvstrata.read.indexers import exact, held, hierarchical, index_row_bytes, index_rows, key_basis, lightning, lowrank
+from kvstrata.read.indexers import (
+    exact,
+    held,
+    hierarchical,
+    index_row_bytes,
+    index_rows,
+    key_basis,
+    lightning,
+    lowrank,
+)
 
 IDS = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))
 
@@ -90,7 +99,8 @@ def test_generate_with_sparse_reads(tiny_llama):
     g = generate(tiny_llama, byte_tokenizer(), IDS[:, :60], "topk:k=8,window=8+mxfp4", max_new_tokens=4)
     assert len(g.new_tokens) == 4
     cache = CompressedCache(tiny_llama.config, parse_method("mxfp4"))
-    with reading(tiny_llama, cache, parse_method("topk:k=8,window=8+mxfp4")) as state:  # entered before prefill
+    # entered before the prefill
+    with reading(tiny_llama, cache, parse_method("topk:k=8,window=8+mxfp4")) as state:
         forward(tiny_llama, IDS[:, :60], cache)
         forward(tiny_llama, IDS[:, 60:61], cache)
     assert state.rows(0)[0] > 0 and state.per_step()[0] > 0  # row sizes measured once the layers hold data
@@ -145,25 +155,38 @@ def test_sparse_reads_over_depth_shared_layers_count_the_shared_entry_size(tiny_
     assert shared.per_step()[0] < plain.per_step()[0]
 
 
-@pytest.mark.parametrize("spec", ["topk:k=12,window=2,indexer=lightning+nvfp4:r=8", "topk:k=12,window=2,indexer=lowrank,rank=16+nvfp4:r=6",
-                                  "depth:g=2,f=1,r=0.05,block=4+topk:k=12,window=2,indexer=lightning"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "topk:k=12,window=2,indexer=lightning+nvfp4:r=8",
+        "topk:k=12,window=2,indexer=lowrank,rank=16+nvfp4:r=6",
+        "depth:g=2,f=1,r=0.05,block=4+topk:k=12,window=2,indexer=lightning",
+    ],
+)
 def test_kept_index_rows_read_like_index_rows_computed_afresh(tiny_llama, monkeypatch, spec):
     """Index rows kept across decode steps select what rows recomputed every step select."""
     out, state = decode(tiny_llama, spec)
     assert all(rows > 0 for _, rows, _ in state.index.values())  # rows were kept (not a vacuous check)
     for layer, (_, rows, kept) in state.index.items():  # each kept row is the index row of the key held now
         keys = state.layers[layer].dense()[0][..., :rows, :]
-        torch.testing.assert_close(kept[..., :rows, :], index_rows(state.cfg.indexer, keys, state.bases.get(layer)),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            kept[..., :rows, :], index_rows(state.cfg.indexer, keys, state.bases.get(layer)), atol=1e-5,
+            rtol=0,
+        )
     assert bool(state.held) == (state.cfg.indexer == "lowrank")
-    for layer, ((_, scale), rows, kept) in state.held.items():  # NVFP4 rows kept under the scale they were held at
+    for layer, (
+        (_, scale), rows, kept,
+    ) in state.held.items():  # NVFP4 rows kept under the scale they were held at
         index = index_rows("lowrank", state.layers[layer].dense()[0][..., :rows, :], state.bases[layer])
-        torch.testing.assert_close(kept[..., :rows, :], held("lowrank", index, torch.tensor(scale)), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            kept[..., :rows, :], held("lowrank", index, torch.tensor(scale)), atol=1e-5, rtol=0
+        )
         _, counted, top = state.amax[layer]  # the kept rows' largest magnitude, kept incrementally
         assert counted == rows
         torch.testing.assert_close(top, index.abs().amax(), atol=1e-5, rtol=0)
-    monkeypatch.setattr(CompressedLayer, "read_prefix", property(lambda self: (None, 0), lambda self, v: None),
-                        raising=False)
+    monkeypatch.setattr(
+        CompressedLayer, "read_prefix", property(lambda self: (None, 0), lambda self, v: None), raising=False
+    )
     fresh, fresh_state = decode(tiny_llama, spec)
     assert not fresh_state.index
     for layer, idx in state.picked.items():

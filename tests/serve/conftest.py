@@ -2,7 +2,6 @@
 and the same models loaded in-process for reference answers. Helpers live in serve_helpers.py."""
 
 import pytest
-
 from serve_helpers import start_server
 
 
@@ -27,7 +26,8 @@ def loaded(model_dirs):
 
 @pytest.fixture(scope="session")
 def gemma_server(model_dirs, tmp_path_factory):
-    """One server for the round-trip and bad-input modules: tiny Gemma-3 (sliding + global layers), disk store."""
+    """One server for the round-trip and bad-input modules: tiny Gemma-3 (sliding + global layers),
+    disk store."""
     s = start_server(model_dirs["gemma"], tmp_path_factory.mktemp("gemma-server"))
     yield s
     s.stop()

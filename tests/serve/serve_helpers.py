@@ -8,14 +8,18 @@ import torch
 from kvstrata.serve.process import ServerProcess
 
 BLOCK = 16  # tokens per block: small, so short prompts span several
-REPLAY = 64  # replayed tokens on an SWA miss: covers the tiny Gemma-3's receptive field (3 sliding layers x 16)
+# replayed tokens on an SWA miss: covers the tiny Gemma-3's receptive field (3 sliding layers x 16)
+REPLAY = 64
 
 
-def start_server(model_dir: str, tmp: Path, *args: str, env: dict | None = None, name: str = "tiny") -> ServerProcess:
+def start_server(
+    model_dir: str, tmp: Path, *args: str, env: dict | None = None, name: str = "tiny"
+) -> ServerProcess:
     tmp.mkdir(parents=True, exist_ok=True)
     env = {"KVSTRATA_STORE_ROOT": str(tmp / "store"), "KVSTRATA_STORE_BLOCK_SIZE": str(BLOCK), **(env or {})}
-    return ServerProcess(model_dir, "--replay-tokens", str(REPLAY), *args, env=env, name=name,
-                         log_path=tmp / "server.log").start()
+    return ServerProcess(
+        model_dir, "--replay-tokens", str(REPLAY), *args, env=env, name=name, log_path=tmp / "server.log"
+    ).start()
 
 
 def client(server: ServerProcess, key: str = "none") -> openai.OpenAI:

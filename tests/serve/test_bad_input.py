@@ -3,11 +3,12 @@ traceback or a 500 -- and keeps serving."""
 
 import httpx
 import pytest
-
-from kvstrata.models.tiny import tiny_config
 from serve_helpers import client
 
-PAST = tiny_config("gemma3").max_position_embeddings + 100  # characters = tokens (byte tokenizer), past the context
+from kvstrata.models.tiny import tiny_config
+
+# characters = tokens (byte tokenizer), past the context
+PAST = tiny_config("gemma3").max_position_embeddings + 100
 
 OK = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -31,11 +32,16 @@ CASES = [
     ("two prompts", "POST", "/completions", {**OK, "prompt": ["a", "b"]}, 400, "prompt"),
     ("empty prompt", "POST", "/completions", {**OK, "prompt": ""}, 400, "prompt"),
     ("temperature negative", "POST", "/completions", {**OK, "temperature": -1}, 400, "temperature"),
-    ("temperature NaN", "POST", "/completions", b'{"model":"tiny","prompt":"x","temperature":NaN}', 400, "temperature"),
+    (
+        "temperature NaN", "POST", "/completions", b'{"model":"tiny","prompt":"x","temperature":NaN}', 400,
+        "temperature",
+    ),
     ("top_p zero", "POST", "/completions", {**OK, "top_p": 0}, 400, "top_p"),
     ("seed too large", "POST", "/completions", {**OK, "seed": 2**70}, 400, "seed"),
-    ("integer of 5000 digits", "POST", "/completions", b'{"model":"tiny","prompt":"x","seed":' + b"9" * 5000 + b"}", 400,
-     None),
+    (
+        "integer of 5000 digits", "POST", "/completions",
+        b'{"model":"tiny","prompt":"x","seed":' + b"9" * 5000 + b"}", 400, None,
+    ),
     ("prompt of megabytes", "POST", "/completions", {**OK, "prompt": "z " * 1_000_000}, 400, "prompt"),
     ("stream not a bool", "POST", "/completions", {**OK, "stream": "yes"}, 400, "stream"),
     ("five stops", "POST", "/completions", {**OK, "stop": list("abcde")}, 400, "stop"),
@@ -43,18 +49,34 @@ CASES = [
     ("n > 1", "POST", "/completions", {**OK, "n": 2}, 400, "n"),
     ("echo", "POST", "/completions", {**OK, "echo": True}, 400, "echo"),
     ("tools", "POST", "/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("bad retention", "POST", "/completions", {**OK, "prompt_cache_retention": "1h"}, 400, "prompt_cache_retention"),
+    (
+        "bad retention", "POST", "/completions", {**OK, "prompt_cache_retention": "1h"}, 400,
+        "prompt_cache_retention",
+    ),
     ("empty cache_salt", "POST", "/completions", {**OK, "cache_salt": ""}, 400, "cache_salt"),
     ("messages missing", "POST", "/chat/completions", {"model": "tiny"}, 400, "messages"),
     ("messages empty", "POST", "/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
-    ("unknown role", "POST", "/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "messages.0.role"),
-    ("image content", "POST", "/chat/completions",
-     {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages.0.content.0.type"),
-    ("chat prompt past context", "POST", "/chat/completions",
-     {**CHAT, "messages": [{"role": "user", "content": "b" * PAST}]}, 400, "messages"),
-    ("body over the size limit", "POST", "/completions", b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413, None),
+    (
+        "unknown role", "POST", "/chat/completions",
+        {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role",
+    ),
+    (
+        "image content", "POST", "/chat/completions",
+        {
+            **CHAT,
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        },
+        400,
+        "messages.0.content.0.type",
+    ),
+    (
+        "chat prompt past context", "POST", "/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "b" * PAST}]}, 400, "messages",
+    ),
+    (
+        "body over the size limit", "POST", "/completions", b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413,
+        None,
+    ),
     ("GET on a POST route", "GET", "/completions", None, 405, None),
     ("unknown path", "POST", "/embeddings", OK, 404, None),
 ]
@@ -77,4 +99,6 @@ def test_server_keeps_serving_after_the_table(gemma_server):
     got = client(gemma_server).completions.create(**OK)
     assert got.usage.completion_tokens >= 1 or got.choices[0].finish_reason == "stop"
     assert gemma_server.metric("kvstrata_http_requests_total", status="500") == 0
-    assert gemma_server.metric("kvstrata_http_requests_total", status="400") >= len([c for c in CASES if c[4] == 400])
+    assert gemma_server.metric("kvstrata_http_requests_total", status="400") >= len(
+        [c for c in CASES if c[4] == 400]
+    )

@@ -8,9 +8,16 @@ from kvstrata.cli import main
 
 def test_serve_bench_on_a_tiny_model(model_dirs, tmp_path, capsys):
     out = tmp_path / "results"
-    assert main(["serve-bench", "--model", model_dirs["gemma"], "--clients", "2", "--turns", "3", "--context", "64",
-                 "--tool-tokens", "24", "--max-tokens", "4", "--probe-tokens", "0", "--check", "2", "--block-size", "16",
-                 "--duration", "120", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "serve-bench", "--model", model_dirs["gemma"], "--clients", "2", "--turns", "3",
+                "--context", "64", "--tool-tokens", "24", "--max-tokens", "4", "--probe-tokens", "0",
+                "--check", "2", "--block-size", "16", "--duration", "120", "--out", str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "serve_bench.json").read_text())
     on, off = (result["phases"][p]["records"] for p in ("store", "no_store"))
     assert len(on) == len(off) == 6 and not any(r["error"] for r in on + off)
@@ -20,4 +27,6 @@ def test_serve_bench_on_a_tiny_model(model_dirs, tmp_path, capsys):
     s = result["summary"]
     assert s["check"] == {"checked": 2, "differ": 0} and s["targets"]["0 errors"] is True
     assert s["phases"]["store"]["hit_rate_later_turns"] == 1.0
-    assert (out / "serve_bench.png").stat().st_size > 0 and "| store |" in (out / "serve_bench.md").read_text()
+    assert (out / "serve_bench.png").stat().st_size > 0 and "| store |" in (
+        out / "serve_bench.md"
+    ).read_text()

@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
+from redis_helpers import RedisServer
+from serve_helpers import client, greedy_reference, start_server, text_of
 
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.store import KVStore
-from redis_helpers import RedisServer
-from serve_helpers import client, greedy_reference, start_server, text_of
 
 TOKENS = 6
 
@@ -67,7 +67,9 @@ def test_corrupt_record_restart_and_swa_expiry(model_dirs, tmp_path, reference):
             blob[len(blob) // 2] ^= 0xFF
             path.write_bytes(bytes(blob))
         again = ask(oa, x)
-        assert again.kvstrata["kind"] == "miss" and again.choices[0].text == first.choices[0].text == reference(x)
+        assert again.kvstrata["kind"] == "miss" and again.choices[0].text == first.choices[
+            0
+        ].text == reference(x)
         a.wait_written()
         assert a.metric("kvstrata_store_corrupt_total", tier="global") >= 1  # counted, removed, written anew
         assert _intact(root) == len(written)

@@ -7,7 +7,6 @@ import threading
 import httpx
 import openai
 import pytest
-
 from serve_helpers import client, start_server, text_of
 
 KEYS = ("key-alpha-0001", "key-bravo-0002")
@@ -35,8 +34,12 @@ def test_requests_without_a_valid_key_get_401(server):
 
 def test_one_key_never_hits_another_keys_entries(server):
     a, b = client(server, KEYS[0]), client(server, KEYS[1])
-    kw = dict(model="tiny", prompt=text_of(60, seed=11), max_tokens=2, extra_body={"cache_salt": "shared-salt"})
-    cached = lambda c, **extra: c.completions.create(**{**kw, **extra}).usage.prompt_tokens_details.cached_tokens  # noqa: E731
+    kw = dict(model="tiny", prompt=text_of(60, seed=11), max_tokens=2,
+              extra_body={"cache_salt": "shared-salt"})
+
+    def cached(c, **extra):
+        return c.completions.create(**{**kw, **extra}).usage.prompt_tokens_details.cached_tokens
+
     assert cached(a) == 0 and cached(a) == 48  # miss, then A's own hit
     assert cached(b) == 0  # same prompt and cache_salt, other key: a miss
     assert cached(b) == 48  # B's own entries from now on
@@ -45,7 +48,9 @@ def test_one_key_never_hits_another_keys_entries(server):
 
 def test_chat_on_a_model_without_a_chat_template_is_a_400(server):
     with pytest.raises(openai.BadRequestError) as e:
-        client(server, KEYS[0]).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        client(server, KEYS[0]).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}]
+        )
     assert "no chat template" in e.value.message and e.value.body["code"] == "no_chat_template"
 
 
@@ -53,8 +58,10 @@ def test_full_queue_answers_429_and_deadline_ends_long_requests(server):
     results = []
 
     def call():
-        r = httpx.post(server.base_url + "/completions", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60,
-                       json={"model": "tiny", "prompt": "long", "max_tokens": 4000})
+        r = httpx.post(
+            server.base_url + "/completions", headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60,
+            json={"model": "tiny", "prompt": "long", "max_tokens": 4000},
+        )
         results.append(r)
 
     threads = [threading.Thread(target=call) for _ in range(5)]
@@ -64,10 +71,14 @@ def test_full_queue_answers_429_and_deadline_ends_long_requests(server):
         t.join()
     status = sorted(r.status_code for r in results)
     refused = [r for r in results if r.status_code == 429]
-    assert len(refused) >= 3 and all(int(r.headers["Retry-After"]) >= 1 for r in refused)  # 1 running + 1 waiting
+    assert len(refused) >= 3 and all(
+        int(r.headers["Retry-After"]) >= 1 for r in refused
+    )  # 1 running + 1 waiting
     assert refused[0].json()["error"]["code"] == "queue_full"
     done = [r.json() for r in results if r.status_code == 200]
-    assert done and all(d["kvstrata"]["timed_out"] and d["choices"][0]["finish_reason"] == "length" for d in done)
+    assert done and all(
+        d["kvstrata"]["timed_out"] and d["choices"][0]["finish_reason"] == "length" for d in done
+    )
     assert all(d["usage"]["completion_tokens"] < 4000 for d in done)
     assert set(status) <= {200, 429, 504}  # the waiting one may pass its deadline before it starts
     assert client(server, KEYS[0]).completions.create(model="tiny", prompt="still here", max_tokens=2).usage
@@ -77,8 +88,10 @@ def test_disconnected_client_stops_its_generation(server):
     before = server.metric("kvstrata_requests_finished_total", reason="cancelled")
     generated = server.metric("kvstrata_generated_tokens_total")
     body = {"model": "tiny", "prompt": "stream me", "max_tokens": 4000, "stream": True}
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {KEYS[1]}"}) as r:
+    with httpx.stream(
+        "POST", server.base_url + "/completions", json=body, timeout=60,
+        headers={"Authorization": f"Bearer {KEYS[1]}"},
+    ) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the first chunk, then hang up
     for _ in range(200):

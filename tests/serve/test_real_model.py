@@ -2,9 +2,9 @@
 store, each greedy answer equal to `kvstrata generate`'s for the same templated prompt."""
 
 import pytest
+from serve_helpers import BLOCK, chat_ids, client, greedy_reference, start_server
 
 from kvstrata.models import KNOWN_MODELS, load
-from serve_helpers import BLOCK, chat_ids, client, greedy_reference, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +29,8 @@ def test_smollm2_chat_round_trip_hits_on_the_second_turn(tmp_path):
             if turn:  # every whole block of the first turn's prompt (its last token is always run)
                 assert got.usage.prompt_tokens_details.cached_tokens == (first - 1) // BLOCK * BLOCK > 0
             first = got.usage.prompt_tokens
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And of Italy?"}]
+            messages += [{"role": "assistant", "content": answer},
+                {"role": "user", "content": "And of Italy?"}]
         assert "Paris" in messages[2]["content"]
     finally:
         server.stop()

@@ -3,7 +3,6 @@ the official `openai` client: cached tokens on a conversation's later turns, gre
 to `kvstrata generate`'s, seeded sampling, stop sequences, retention classes."""
 
 import pytest
-
 from serve_helpers import chat_ids, client, greedy_reference, text_of
 
 
@@ -28,15 +27,18 @@ def test_completion_then_longer_prompt_reuses_the_first(oa, loaded):
     first = oa.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
     assert first.object == "text_completion" and first.usage.prompt_tokens == 70  # one token per byte
     assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.kvstrata["kind"] == "miss"
-    assert 0 < first.kvstrata["write_s"] < first.kvstrata["ttft_s"]  # 4 new blocks snapshotted, then handed off
-    again = oa.completions.create(model="tiny", prompt=prompt + " and a follow-up", max_tokens=6, temperature=0)
+    # 4 new blocks snapshotted, then handed off
+    assert 0 < first.kvstrata["write_s"] < first.kvstrata["ttft_s"]
+    again = oa.completions.create(model="tiny", prompt=prompt + \
+                                  " and a follow-up", max_tokens=6, temperature=0)
     assert again.kvstrata["kind"] == "hit" and again.usage.prompt_tokens_details.cached_tokens == 64
     assert again.kvstrata["reused_tokens"] == 64 and again.kvstrata["computed_tokens"] == 86 - 64
     assert again.kvstrata["ttft_s"] > 0 and first.choices[0].finish_reason in ("length", "stop")
 
 
 def test_chat_second_turn_is_cached(oa):
-    messages = [{"role": "system", "content": text_of(60, seed=2)}, {"role": "user", "content": "first question"}]
+    messages = [{"role": "system", "content": text_of(60, seed=2)}, {
+                                                      "role": "user", "content": "first question"}]
     one = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
     assert one.object == "chat.completion" and one.choices[0].message.role == "assistant"
     assert one.usage.prompt_tokens_details.cached_tokens == 0
@@ -44,7 +46,8 @@ def test_chat_second_turn_is_cached(oa):
                  {"role": "user", "content": "second question"}]
     two = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
     assert two.usage.prompt_tokens_details.cached_tokens > 0 and two.kvstrata["kind"] == "hit"
-    assert two.usage.prompt_tokens_details.cached_tokens == two.usage.prompt_tokens - two.kvstrata["computed_tokens"]
+    assert two.usage.prompt_tokens_details.cached_tokens == two.usage.prompt_tokens - \
+        two.kvstrata["computed_tokens"]
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -98,7 +101,8 @@ def test_stop_sequence_ends_the_answer_before_it(oa):
     stop = full[5:7]
     cut = oa.completions.create(**kw, max_tokens=16, stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == full[: full.index(stop)]
-    streamed = "".join(c.choices[0].text for c in oa.completions.create(**kw, max_tokens=16, stop=stop, stream=True))
+    streamed = "".join(c.choices[0].text for c in oa.completions.create(
+        **kw, max_tokens=16, stop=stop, stream=True))
     assert streamed == cut.choices[0].text
 
 
@@ -110,7 +114,8 @@ def test_in_memory_retention_keeps_global_kv_out_of_the_persistent_tier(server, 
     kw = dict(model="tiny", prompt=prompt, max_tokens=2, extra_body={"prompt_cache_retention": "in_memory"})
     assert oa.completions.create(**kw).kvstrata["kind"] == "miss"
     server.wait_written()
-    assert writes("global") == disk and writes("memory_global") == ram + 4  # 80 tokens: 4 whole blocks before the last token
+    assert writes("global") == disk and writes("memory_global") == ram + \
+                  4  # 80 tokens: 4 whole blocks before the last token
     assert oa.completions.create(**kw).kvstrata["kind"] == "hit"
     kw["extra_body"] = {"prompt_cache_retention": "24h"}  # hits RAM blocks, promotes them to disk
     assert oa.completions.create(**kw).kvstrata["kind"] == "hit"

@@ -46,11 +46,13 @@ def test_sampler_greedy_seeded_and_top_p():
 
     assert draws(5) == draws(5) and len(set(draws(5))) > 1 and draws(5) != draws(6)
     nucleus = Sampler(Sampling(1.0, top_p=0.5, seed=0))
-    assert {nucleus(logits) for _ in range(50)} <= {1, 3}  # the two tokens that hold the first half of the mass
+    # the two tokens that hold the first half of the mass
+    assert {nucleus(logits) for _ in range(50)} <= {1, 3}
 
 
 def test_tenant_salt_binds_key_and_cache_salt():
-    salts = {tenant_salt(k, s) for k, s in [("a", "x"), ("b", "x"), ("a", "y"), ("a", None), ("", "ax"), ("ax", "")]}
+    salts = {tenant_salt(k, s) for k, s in [("a", "x"), ("b", "x"),
+                         ("a", "y"), ("a", None), ("", "ax"), ("ax", "")]}
     assert len(salts) == 6  # length-prefixed: ("", "ax") and ("ax", "") differ too
     keys = APIKeys(["secret-one"])
     assert keys.check("Bearer secret-one") == "secret-one" and APIKeys().check(None) == ""
@@ -78,14 +80,16 @@ def test_write_behind_reads_its_own_writes_and_keeps_retention_classes(tmp_path)
     assert store.flush() and store.pending == 0
     assert set(store.global_tier.keys()) == {"a" * 64}  # "in_memory" never reached the disk
     assert store.memory.global_tier.keys() == ["b" * 64]
-    assert torch.equal(store.get_global("b" * 64, ns)[0]["k"], block["k"])  # read from RAM, promoted: "24h" asked
+    # read from RAM, promoted: "24h" asked
+    assert torch.equal(store.get_global("b" * 64, ns)[0]["k"], block["k"])
     assert store.flush() and set(store.global_tier.keys()) == {"a" * 64, "b" * 64}
     assert torch.equal(store.get_global("a" * 64, ns)[0]["k"], block["k"])  # written, read back verified
     store.close()
 
 
 def test_write_behind_store_reads_its_records_after_a_restart(tmp_path):
-    """`open` uses the store's persistent secret: a new process on the same root reads what the old one wrote."""
+    """`open` uses the store's persistent secret: a new process on the same root reads what the old
+    one wrote."""
     cfg = StoreConfig(root=str(tmp_path / "store"))
     block, ns = {"k": torch.arange(6, dtype=torch.float32)}, b"n" * 32
     first = WriteBehindStore.open(cfg, 1 << 24)
@@ -93,7 +97,10 @@ def test_write_behind_store_reads_its_records_after_a_restart(tmp_path):
     first.put_swa("a" * 64, block, {"codec": "bf16"}, namespace=ns)
     assert first.close()
     again = WriteBehindStore.open(cfg, 1 << 24)
-    assert torch.equal(again.get_global("a" * 64, ns)[0]["k"], block["k"]) and again.global_tier.stats.corrupt == 0
+    assert (
+        torch.equal(again.get_global("a" * 64, ns)[0]["k"], block["k"])
+        and again.global_tier.stats.corrupt == 0
+    )
     assert again.get_swa("a" * 64, ns) is None  # the SWA pool lived in the old process's RAM
     assert again.memory.secret == again.secret == first.secret
     again.close()

@@ -34,7 +34,8 @@ KVPRESS_TRANSFORMERS = "5.2.0"
 # compression ratio 0.72 keeps 0.28 of the context: the bytes of our FP4 rows (and of
 # streaming/snapkv keep=0.28); 0.47 keeps 0.53 (fp8 and keep=0.53)
 DEFAULT_PEERS = (
-    *(f"kvpress:{p}:cr=0.72" for p in ("streaming", "snapkv", "knorm", "expected", "tova", "pyramidkv", "kvzip")),
+    *(f"kvpress:{p}:cr=0.72" for p in ("streaming", "snapkv",
+      "knorm", "expected", "tova", "pyramidkv", "kvzip")),
     "kvpress:snapkv:cr=0.47",
     "qcache:quanto:int4", "qcache:quanto:int2", "qcache:hqq:int4", "qcache:hqq:int2",
 )
@@ -63,7 +64,8 @@ def parse_peer(spec: str) -> PeerSpec:
     """`kvpress:snapkv:cr=0.72` or `qcache:quanto:int4`; a clear error for anything else."""
     parts = spec.strip().split(":")
     if len(parts) != 3:
-        raise ValueError(f"peer spec {spec!r}: expected kvpress:<press>:cr=<ratio> or qcache:<backend>:int<bits>")
+        raise ValueError(f"peer spec {spec!r}: expected kvpress:<press>:cr=<ratio> or "
+                         "qcache:<backend>:int<bits>")
     project, name, arg = parts
     if project == "kvpress":
         if name not in PRESSES:
@@ -74,11 +76,13 @@ def parse_peer(spec: str) -> PeerSpec:
         except ValueError:
             cr = -1.0
         if key != "cr" or not 0.0 <= cr < 1.0:
-            raise ValueError(f"peer spec {spec!r}: expected cr=<ratio> with 0 <= ratio < 1 (share of entries removed)")
+            raise ValueError(f"peer spec {spec!r}: expected cr=<ratio> with 0 <= ratio < 1 (share of entries "
+                             "removed)")
         return PeerSpec(project, name, {"cr": cr})
     if project == "qcache":
         if name not in BACKENDS:
-            raise ValueError(f"peer spec {spec!r}: unknown QuantizedCache backend {name!r} (known: {', '.join(BACKENDS)})")
+            raise ValueError(f"peer spec {spec!r}: unknown QuantizedCache backend {name!r} (known: "
+                             f"{', '.join(BACKENDS)})")
         if arg not in ("int2", "int4"):
             raise ValueError(f"peer spec {spec!r}: bits must be int2 or int4")
         return PeerSpec(project, name, {"bits": int(arg[3:])})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from kvstrata.bench.tasks import FIDELITY
 from kvstrata.bench.results import ReportInput
+from kvstrata.bench.tasks import FIDELITY
 
 #: bytes per token as a share of bf16's, bucketed so that rows of similar cost meet
 TIERS = (("≈ 1/2 of bf16", 0.42, 0.70), ("≈ 1/3 of bf16", 0.30, 0.42), ("≈ 1/4 of bf16", 0.22, 0.30),
@@ -37,7 +37,8 @@ def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
         for label, _, _ in TIERS:
             ours = {m: r for m, r in methods.items() if r["family"] not in ("peer", "reference")
                     and tier(r["kv_bytes_per_token"] / full) == label}
-            theirs = {m: r for m, r in methods.items() if r["family"] == "peer" and tier(r["kv_bytes_per_token"] / full) == label}
+            theirs = {m: r for m, r in methods.items() if r["family"] == "peer" and tier(
+                r["kv_bytes_per_token"] / full) == label}
             if not ours or not theirs:
                 continue
             for t in tasks:
@@ -55,8 +56,11 @@ def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
                 body.append(f"| {label} | {t}{' (top-1)' if t in FIDELITY else ''} | `{a[0]}` {a[1]:.2f} | "
                              f"`{b[0]}` {b[1]:.2f} | **{verdict}** |")
         lines += [f"#### {model}, {length} tokens\n"]
-        lines += (["| bytes/token | task | best kvstrata | best peer | ahead |", "|---|---|---|---|---|", *body]
-                  if body else ["No bytes tier holds both a kvstrata method and a peer here."])
+        lines += (
+            ["| bytes/token | task | best kvstrata | best peer | ahead |", "|---|---|---|---|---|", *body]
+            if body
+            else ["No bytes tier holds both a kvstrata method and a peer here."]
+        )
         lines.append("")
     return "\n".join(lines)
 
@@ -98,8 +102,11 @@ def failures(rows: list[dict]) -> str:
         return ""
     lines = ["| model | peer spec | peer | cells | how it failed |", "|---|---|---|---|---|"]
     for (model, method, peer, error), cells in sorted(seen.items()):
-        lines.append(f"| {model} | `{method}` | {peer} | {len(cells)} ({', '.join(sorted(cells)[:4])}"
-                     f"{', …' if len(cells) > 4 else ''}) | {error.replace('|', '/')} |")
+        lines.append(
+            f"| {model} | `{method}` | {peer} | {len(cells)} "
+            f"({', '.join(sorted(cells)[:4])}{', …' if len(cells) > 4 else ''}) | {error.replace('|', '/')} "
+            "|"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -109,8 +116,11 @@ def masked(rows: list[dict]) -> str:
     for r in rows:
         if not r.get("error") and r.get("kv_entries_masked"):
             share[r["method"]].append(r["kv_entries_masked"] / r["kv_entries_held"])
-    return "".join(f"`{m}` masks {sum(v) / len(v):.0%} of the entries it holds at attention time and keeps them in "
-                   "memory, so it is listed at the bytes it holds.\n" for m, v in sorted(share.items()))
+    return "".join(
+        f"`{m}` masks {sum(v) / len(v):.0%} of the entries it holds at attention time and keeps them in "
+        "memory, so it is listed at the bytes it holds.\n"
+        for m, v in sorted(share.items())
+    )
 
 
 def report_section(given: ReportInput) -> str:
@@ -120,13 +130,17 @@ def report_section(given: ReportInput) -> str:
     if not peer_rows:
         return ""
     versions = sorted({r["peer"] for r in peer_rows if r.get("peer")})
-    out = ["## Peers, same instances\n",
-           "Rows of family `peer` are other projects' implementations run on the exact task instances above (same "
-           "seeds, tokenizer and context ids), with bytes counted from the tensors their caches hold (float tensors "
-           f"at 16 bits, as our `bf16` reference stores them). Versions: {'; '.join(versions)}.\n",
-           masked(peer_rows),
-           "Who is ahead per task at matched bytes (best method of each side inside a bytes tier, both scored on "
-           f"the instances every peer of the tier ran; ties within {TIE:.2f}):\n", head_to_head(summary, rows)]
+    out = [
+        "## Peers, same instances\n",
+        "Rows of family `peer` are other projects' implementations run on the exact task instances above "
+        "(same seeds, tokenizer and context ids), with bytes counted from the tensors their caches hold "
+        "(float tensors at 16 bits, as our `bf16` reference stores them). Versions: "
+        f"{'; '.join(versions)}.\n",
+        masked(peer_rows),
+        "Who is ahead per task at matched bytes (best method of each side inside a bytes tier, both scored "
+        f"on the instances every peer of the tier ran; ties within {TIE:.2f}):\n",
+        head_to_head(summary, rows),
+    ]
     fails = failures(peer_rows)
     if fails:
         out += ["### How peers failed\n", fails]

@@ -18,7 +18,11 @@ def held_bytes(cache) -> dict:
     for layer in cache.layers:
         _walk(vars(layer), seen, totals)
         keys = getattr(layer, "keys", None)
-        if getattr(layer, "_quantized_keys", None) is None and isinstance(keys, torch.Tensor) and keys.dim() == 4:
+        if (
+            getattr(layer, "_quantized_keys", None) is None
+            and isinstance(keys, torch.Tensor)
+            and keys.dim() == 4
+        ):
             totals["entries"] += keys.shape[1] * keys.shape[2]
     return totals
 

@@ -16,6 +16,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
+from transformers.utils import logging as hf_logging
 
 from kvstrata.bench import protocol
 from kvstrata.bench.peers import PRESSES, PeerSpec, parse_peer
@@ -23,6 +25,7 @@ from kvstrata.bench.peers.held import held_bytes
 from kvstrata.bench.runner import answered, cell_base, costed, failed
 from kvstrata.bench.tasks import FIDELITY, make_instance
 from kvstrata.hf.run import forward
+from kvstrata.models import load
 
 
 def describe() -> str:
@@ -31,7 +34,7 @@ def describe() -> str:
 
 def make_press(peer: PeerSpec):
     """The kvpress object for a parsed spec (head-wise presses wrapped as kvpress documents)."""
-    import kvpress
+    import kvpress  # only installed in the peers environment
 
     cr = peer.params["cr"]
     if peer.name == "adakv":
@@ -51,7 +54,6 @@ def masked_entries(model) -> int:
 
 def pressed_prefill(model, ids: torch.Tensor, peer: PeerSpec):
     """(cache, seconds): the context prefilled under the press, as kvpress's pipeline does it."""
-    from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     press = make_press(peer)
@@ -68,7 +70,6 @@ def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str):
     n = ids.shape[1]
     cont = ref = None
     if inst.task in FIDELITY:
-        from transformers import DynamicCache
 
         cont = tok(inst.continuation, add_special_tokens=False, return_tensors="pt").input_ids
         dense = DynamicCache(config=model.config)
@@ -85,7 +86,8 @@ def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str):
                        kv_entries_held=held["entries"], kv_entries_masked=masked_entries(model))
             if cont is not None:
                 pos = torch.arange(n, n + cont.shape[1])[None]
-                res = protocol.continuation(model, copy.deepcopy(cache), cont, ref, held["bytes"], None, position_ids=pos)
+                res = protocol.continuation(model, copy.deepcopy(cache), cont, ref,
+                                            held["bytes"], None, position_ids=pos)
                 row.update(res, score=res["top1"], failure=None)
             else:
                 answers = []
@@ -100,7 +102,6 @@ def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvstrata.models import load
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -108,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     req = json.loads(Path(args[0]).read_text())
     out, sys.stdout = sys.stdout, sys.stderr  # libraries' prints must not mix with rows
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     model, tok = load(req["model_path"])

@@ -10,6 +10,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+from transformers import QuantizedCache
 
 from kvstrata.bench import protocol
 from kvstrata.bench.peers import PeerSpec
@@ -29,7 +30,6 @@ def describe(peer: PeerSpec) -> str:
 
 def build(model, pre: protocol.Prefill, peer: PeerSpec):
     """A QuantizedCache holding the prefilled context; raises the peer's own error if it cannot."""
-    from transformers import QuantizedCache
 
     cache = QuantizedCache(peer.name, model.config, nbits=peer.params["bits"])
     for i, layer in enumerate(pre.dense.layers):

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import kvstrata
 from kvstrata.bench.peers import KVPRESS_TRANSFORMERS, KVPRESS_VERSION
 from kvstrata.models.loader import cache_dir
@@ -38,7 +40,6 @@ def source_root() -> Path:
 
 
 def wanted() -> dict:
-    import torch
 
     return {"torch": torch.__version__.split("+")[0], "transformers": KVPRESS_TRANSFORMERS,
             "kvpress": KVPRESS_VERSION, "source": str(source_root())}
@@ -58,12 +59,13 @@ def ensure(log=print) -> Path:
         return python()
     want = wanted()
     d = venv_dir()
-    log(f"creating the peers environment in {d} (kvpress {want['kvpress']}, transformers {want['transformers']}, "
-        f"torch {want['torch']}); a few minutes, once")
+    log(f"creating the peers environment in {d} (kvpress {want['kvpress']}, transformers "
+        f"{want['transformers']}, torch {want['torch']}); a few minutes, once")
     steps = [
         [sys.executable, "-m", "venv", str(d)],
         [str(python()), "-m", "pip", "install", "-q", f"torch=={want['torch']}"],
-        [str(python()), "-m", "pip", "install", "-q", f"transformers=={want['transformers']}", f"kvpress=={want['kvpress']}"],
+        [str(python()), "-m", "pip", "install", "-q",
+             f"transformers=={want['transformers']}", f"kvpress=={want['kvpress']}"],
         [str(python()), "-m", "pip", "install", "-q", "--no-deps", "-e", want["source"]],
     ]
     for cmd in steps:

@@ -11,11 +11,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvstrata.bench.peers import venv
+from kvstrata.models.loader import resolve
 
 
 def run_kvpress(cfg, cells: list[tuple], methods: list[str], done: set[tuple], path: Path) -> None:
     """Run each missing (cell, press) row in the peers environment and append it to `path`."""
-    from kvstrata.models.loader import resolve
 
     work: dict[str, list[dict]] = {}
     for model_name, length, task, index in cells:
@@ -26,11 +26,14 @@ def run_kvpress(cfg, cells: list[tuple], methods: list[str], done: set[tuple], p
     if not work:
         return
     py = venv.ensure(log=lambda msg: tqdm.write(msg))
-    bar = tqdm(total=sum(len(c["methods"]) for cs in work.values() for c in cs), desc="kvpress rows", unit="row")
+    bar = tqdm(total=sum(len(c["methods"]) for cs in work.values()
+               for c in cs), desc="kvpress rows", unit="row")
     for model_name, todo in work.items():
         request = {"model": model_name, "model_path": str(resolve(model_name)), "cells": todo,
                    "seed": cfg.seed, "haystack": cfg.haystack}
-        with tempfile.NamedTemporaryFile("w", suffix=".json", dir=cfg.out, prefix=".kvpress-", delete=False) as tmp:
+        with tempfile.NamedTemporaryFile(
+            "w", suffix=".json", dir=cfg.out, prefix=".kvpress-", delete=False
+        ) as tmp:
             json.dump(request, tmp)
         try:
             _stream(py, Path(tmp.name), path, bar)
@@ -49,8 +52,10 @@ def _stream(py: Path, request: Path, path: Path, bar) -> None:
             proc.kill()
             raise
     if proc.returncode != 0:
-        raise RuntimeError(f"the kvpress worker exited with code {proc.returncode} (its messages are above); "
-                           "finished rows are kept and a rerun resumes")
+        raise RuntimeError(
+            f"the kvpress worker exited with code {proc.returncode} (its messages are above); finished rows "
+            "are kept and a rerun resumes"
+        )
 
 
 def _copy_rows(proc, f, bar) -> None:

@@ -85,13 +85,15 @@ class V41LayerCache(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise TypeError("V4.1 cache layers are written by the V4.1 attention (write_swa / write_global), not update()")
+        raise TypeError("V4.1 cache layers are written by the V4.1 attention (write_swa / write_global), not "
+                        "update()")
 
     def write_swa(self, x: torch.Tensor, pos0: int, v: torch.Tensor | None = None) -> None:
         """Append SWA rows (and V rows, when held apart) for positions `pos0 …`; rows before a gap
         (a bounded replay) are dropped."""
         if (v is None) != (self.swa_v is None):
-            raise ValueError("SWA V rows are written exactly when this layer holds them (pure-SWA layers of swa_values models)")
+            raise ValueError("SWA V rows are written exactly when this layer holds them (pure-SWA layers of "
+                             "swa_values models)")
         if len(self.swa) == 0 or pos0 != self.swa_pos0 + len(self.swa):
             self.swa = Store(self.swa.spec)
             self.swa_v = Store(self.swa.spec) if v is not None else None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from kvstrata.models.v41_layout import V41Layout, _source, v41_modes, presets as layouts
+from kvstrata.models.v41_layout import V41Layout, _source, v41_modes
+from kvstrata.models.v41_layout import presets as layouts
 
 MODES = ("swa", "full", "reindex", "reuse")
 
@@ -27,25 +28,31 @@ class V41Config(PretrainedConfig):
 
     model_type = "kvstrata_v41"
 
-    def __init__(self, vocab_size: int = 512, hidden_size: int = 64, intermediate_size: int = 192,
-                 num_attention_heads: int = 2, latent_dim: int = 32, rope_dim: int = 8, sliding_window: int = 8,
-                 index_heads: int = 2, index_dim: int = 16, index_topk: int = 8, hier_block: int = 8,
-                 hier_blocks: int = 4, layer_modes: list[str] | None = None, compress: list[int] | None = None,
-                 ced: bool = True, n_win: int | None = None, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
-                 global_codec: str = "nvfp4:tensor_scale=0", swa_codec: str = "fp8", index_codec: str = "mxfp4",
-                 quantize_cache: bool = True, train_sparse: bool = False, attn_sink: bool = False, derotate: bool = False,
-                 swa_values: bool = False, tie_word_embeddings: bool = True, **kwargs):
+    def __init__(
+        self, vocab_size: int = 512, hidden_size: int = 64, intermediate_size: int = 192,
+        num_attention_heads: int = 2, latent_dim: int = 32, rope_dim: int = 8, sliding_window: int = 8,
+        index_heads: int = 2, index_dim: int = 16, index_topk: int = 8, hier_block: int = 8,
+        hier_blocks: int = 4, layer_modes: list[str] | None = None, compress: list[int] | None = None,
+        ced: bool = True, n_win: int | None = None, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
+        global_codec: str = "nvfp4:tensor_scale=0", swa_codec: str = "fp8", index_codec: str = "mxfp4",
+        quantize_cache: bool = True, train_sparse: bool = False, attn_sink: bool = False,
+        derotate: bool = False, swa_values: bool = False, tie_word_embeddings: bool = True, **kwargs,
+    ):
         if layer_modes is None:
             layer_modes, compress = (list(x) for x in v41_modes(8))
         compress = list(compress) if compress is not None else [0 if m == "swa" else 1 for m in layer_modes]
         bad = [m for m in layer_modes if m not in MODES]
         if bad or len(compress) != len(layer_modes):
-            raise ValueError(f"layer_modes must be {MODES} with one compression m each; got {layer_modes} / {compress}")
+            raise ValueError(
+                f"layer_modes must be {MODES} with one compression m each; got {layer_modes} / {compress}"
+            )
         if rope_dim > latent_dim or rope_dim % 2:
             raise ValueError(f"rope_dim ({rope_dim}) must be even and <= latent_dim ({latent_dim})")
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_attention_heads, self.latent_dim, self.rope_dim = num_attention_heads, latent_dim, rope_dim
-        self.sliding_window, self.index_heads, self.index_dim, self.index_topk = sliding_window, index_heads, index_dim, index_topk
+        self.sliding_window, self.index_heads, self.index_dim, self.index_topk = (
+            sliding_window, index_heads, index_dim, index_topk,
+        )
         self.hier_block, self.hier_blocks = hier_block, hier_blocks
         self.layer_modes, self.compress = list(layer_modes), compress
         self.num_hidden_layers = len(layer_modes)
@@ -76,12 +83,15 @@ class V41Config(PretrainedConfig):
 
     def layout(self) -> V41Layout:
         """The accounting layout of this model (same modes, m, entry codecs)."""
-        return V41Layout(f"v41-model-{self.num_hidden_layers}", self.num_hidden_layers, self.hidden_size,
-                         window=self.sliding_window, latent_dim=self.latent_dim, rope_dim=self.rope_dim,
-                         index_dim=self.index_dim, index_heads=self.index_heads, topk=self.index_topk,
-                         modes=tuple(self.layer_modes), m=tuple(self.compress),
-                         main_entry=((self.global_codec, self.latent_dim),), index_entry=((self.index_codec, self.index_dim),),
-                         swa_entry=((self.swa_codec, self.latent_dim),), swa_values=self.swa_values)
+        return V41Layout(
+            f"v41-model-{self.num_hidden_layers}", self.num_hidden_layers, self.hidden_size,
+            window=self.sliding_window, latent_dim=self.latent_dim, rope_dim=self.rope_dim,
+            index_dim=self.index_dim, index_heads=self.index_heads, topk=self.index_topk,
+            modes=tuple(self.layer_modes), m=tuple(self.compress),
+            main_entry=((self.global_codec, self.latent_dim),),
+            index_entry=((self.index_codec, self.index_dim),),
+            swa_entry=((self.swa_codec, self.latent_dim),), swa_values=self.swa_values,
+        )
 
 
 def preset(name: str, **overrides) -> V41Config:
@@ -89,17 +99,22 @@ def preset(name: str, **overrides) -> V41Config:
     `small-v41` (16 layers, the prefill-time benchmark and training)."""
     if name == "v41-flash":
         lay = layouts()["v41-flash"]
-        kw = dict(vocab_size=129280, hidden_size=lay.hidden, intermediate_size=3 * lay.hidden, num_attention_heads=64,
-                  latent_dim=lay.latent_dim, rope_dim=lay.rope_dim, sliding_window=lay.window, index_heads=lay.index_heads,
-                  index_dim=lay.index_dim, index_topk=lay.topk, hier_block=8, hier_blocks=2048,
-                  layer_modes=list(lay.modes), compress=list(lay.m), n_win=lay.window)
+        kw = dict(
+            vocab_size=129280, hidden_size=lay.hidden, intermediate_size=3 * lay.hidden,
+            num_attention_heads=64, latent_dim=lay.latent_dim, rope_dim=lay.rope_dim,
+            sliding_window=lay.window, index_heads=lay.index_heads, index_dim=lay.index_dim,
+            index_topk=lay.topk, hier_block=8, hier_blocks=2048, layer_modes=list(lay.modes),
+            compress=list(lay.m), n_win=lay.window,
+        )
     elif name == "tiny-v41":
         kw = {}
     elif name == "small-v41":
         modes, m = v41_modes(16)
-        kw = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, latent_dim=64, rope_dim=16,
-                  sliding_window=64, index_heads=4, index_dim=32, index_topk=32, hier_blocks=16,
-                  layer_modes=list(modes), compress=list(m))
+        kw = dict(
+            hidden_size=128, intermediate_size=384, num_attention_heads=4, latent_dim=64, rope_dim=16,
+            sliding_window=64, index_heads=4, index_dim=32, index_topk=32, hier_blocks=16,
+            layer_modes=list(modes), compress=list(m),
+        )
     else:
         raise ValueError(f"unknown V4.1 preset {name!r} (known: v41-flash, tiny-v41, small-v41)")
     return V41Config(**{**kw, **overrides})

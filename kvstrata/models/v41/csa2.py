@@ -56,7 +56,9 @@ def topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return idx.masked_fill(val == NEG, -1)
 
 
-def hierarchical(scores: torch.Tensor, vis: torch.Tensor, k: int, block: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hierarchical(
+    scores: torch.Tensor, vis: torch.Tensor, k: int, block: int, blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-first selection: max-pool causal scores over blocks of `block` entries, always keep
     each query's newest visible block, take the top `blocks` blocks, then the top-k entries inside.
     Returns (indices `[B, T, k]`, candidates `[B, T, blocks * block]`), -1 for empty slots."""
@@ -86,9 +88,11 @@ def rescore(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
     return cand.gather(-1, j).masked_fill(v == NEG, -1)
 
 
-def attend(q: torch.Tensor, q_pos: torch.Tensor, swa: torch.Tensor, swa_pos0: int, window: int,
-           latents: torch.Tensor | None, idx: torch.Tensor | None, sinks: torch.Tensor | None = None,
-           swa_v: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, q_pos: torch.Tensor, swa: torch.Tensor, swa_pos0: int, window: int,
+    latents: torch.Tensor | None, idx: torch.Tensor | None, sinks: torch.Tensor | None = None,
+    swa_v: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One softmax over each query's SWA window (keys = values, `swa: [B, P, D]` holding positions
     `swa_pos0 …`; query t reads positions `[max(swa_pos0, t - window + 1), t]`), its selected
     global entries (`latents: [B, S, D]`, K = V; `idx: [B, T, k]`, -1 unread) and, with `sinks: [H]`,
@@ -96,7 +100,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, swa: torch.Tensor, swa_pos0: in
     a head may attend to nothing). `swa_v` (same layout as `swa`): values held apart from the SWA keys.
     `q: [B, H, T, D]` -> `[B, H, T, D]`."""
     b, h, t, d = q.shape
-    scale = d ** -0.5
+    scale = d**-0.5
     offs = torch.arange(window) - window + 1
     wpos = q_pos[:, None] + offs[None, :]  # [T, W] positions each query's window covers
     wok = (wpos >= swa_pos0) & (wpos >= 0)

@@ -38,7 +38,8 @@ class V41Attention(nn.Module):
         if self.mode == "full":
             self.global_norm = DeepseekV4RMSNorm(h, cfg.rms_norm_eps)
             self.kv_proj, self.kv_norm = _linear(h, d), DeepseekV4RMSNorm(d, cfg.rms_norm_eps)
-            self.ik_proj, self.ik_norm = _linear(h, cfg.index_dim), DeepseekV4RMSNorm(cfg.index_dim, cfg.rms_norm_eps)
+            self.ik_proj, self.ik_norm = _linear(
+                h, cfg.index_dim), DeepseekV4RMSNorm(cfg.index_dim, cfg.rms_norm_eps)
             if self.m > 1:
                 self.kv_gate, self.ik_gate = _linear(h, d), _linear(h, cfg.index_dim)
         if self.mode in ("full", "reindex"):
@@ -58,11 +59,17 @@ class V41Attention(nn.Module):
             proj = {k: torch.cat([store.pending[k], v], dim=1) for k, v in proj.items()}
         full = proj["kv"].shape[1] // self.m * self.m
         if store is not None:
-            store.pending = {k: v[:, full:].detach().clone() for k, v in proj.items()} if full < proj["kv"].shape[1] else {}
+            store.pending = (
+                {k: v[:, full:].detach().clone() for k, v in proj.items()}
+                if full < proj["kv"].shape[1]
+                else {}
+            )
         done = {k: v[:, :full] for k, v in proj.items()}
         first = len(store.latents) if store is not None else 0
         lat = self.kv_norm(csa2.compress(done["kv"], done.get("kv_gate"), self.m))
-        lat = csa2.rope(lat, (first + torch.arange(lat.shape[1])) * self.m, self.cfg.rope_dim, self.cfg.rope_theta)
+        lat = csa2.rope(
+            lat, (first + torch.arange(lat.shape[1])) * self.m, self.cfg.rope_dim, self.cfg.rope_theta
+        )
         ik = self.ik_norm(csa2.compress(done["ik"], done.get("ik_gate"), self.m))
         if store is None:
             ctx.update(lat=lat, ik=ik)
@@ -71,8 +78,10 @@ class V41Attention(nn.Module):
             store.latents.append(lat)
             store.index_keys.append(ik)
         empty_l, empty_i = lat[:, :0], ik[:, :0]
-        ctx.update(lat=store.latents.read(lat.dtype) if len(store.latents) else empty_l,
-                   ik=store.index_keys.read(ik.dtype) if len(store.index_keys) else empty_i)
+        ctx.update(
+            lat=store.latents.read(lat.dtype) if len(store.latents) else empty_l,
+            ik=store.index_keys.read(ik.dtype) if len(store.index_keys) else empty_i,
+        )
 
     def select(self, x: torch.Tensor, pos: torch.Tensor, ctx: dict, src: dict | None) -> None:
         """Top-k global entries per query into `ctx` (own scores, re-scored candidates or reused)."""
@@ -91,8 +100,11 @@ class V41Attention(nn.Module):
             ctx["index_scores"] = scores  # trained to follow the main attention (index_loss)
         cand = None
         if self.training and not cfg.train_sparse:  # dense warm-up: attend every visible entry
-            idx = torch.arange(scores.shape[-1]).expand(b, t, -1).masked_fill(
-                torch.arange(scores.shape[-1]) >= vis[None, :, None], -1)
+            idx = (
+                torch.arange(scores.shape[-1])
+                .expand(b, t, -1)
+                .masked_fill(torch.arange(scores.shape[-1]) >= vis[None, :, None], -1)
+            )
         elif self.mode == "reindex" and src.get("cand") is not None:
             idx = csa2.rescore(scores, src["cand"], cfg.index_topk)
         elif cfg.hierarchical(self.layer):
@@ -101,7 +113,9 @@ class V41Attention(nn.Module):
             idx = csa2.topk(scores, cfg.index_topk)
         ctx.update(lat=own["lat"], idx=idx, cand=cand if cand is not None else (src or {}).get("cand"), m=m)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, h_src: torch.Tensor | None, store, ctxs: dict) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, pos: torch.Tensor, h_src: torch.Tensor | None, store, ctxs: dict
+    ) -> torch.Tensor:
         cfg = self.cfg
         b, t, _ = x.shape
         ctx = ctxs.setdefault(self.layer, {})
@@ -117,12 +131,20 @@ class V41Attention(nn.Module):
             v = store.swa_v.read(s.dtype) if v is not None else None
         else:
             swa, pos0 = s, int(pos[0])
-        q = csa2.rope(self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.latent_dim).transpose(1, 2),
-                      pos, cfg.rope_dim, cfg.rope_theta)
+        q = csa2.rope(
+            self.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.latent_dim).transpose(1, 2), pos,
+            cfg.rope_dim, cfg.rope_theta,
+        )
         if "index_scores" in ctx:
-            ctxs.setdefault("index_losses", []).append(csa2.index_loss(q, ctx["lat"], ctx.pop("index_scores")))
-        out = csa2.attend(q, pos, swa, pos0, cfg.sliding_window, ctx.get("lat"), ctx.get("idx"), self.sinks, v)
-        if cfg.derotate and self.swa_v_proj is None:  # K = V: values carry RoPE; rotate back by the query position
+            ctxs.setdefault("index_losses", []).append(
+                csa2.index_loss(q, ctx["lat"], ctx.pop("index_scores"))
+            )
+        out = csa2.attend(
+            q, pos, swa, pos0, cfg.sliding_window, ctx.get("lat"), ctx.get("idx"), self.sinks, v
+        )
+        if (
+            cfg.derotate and self.swa_v_proj is None
+        ):  # K = V: values carry RoPE; rotate back by the query position
             out = csa2.rope(out, -pos, cfg.rope_dim, cfg.rope_theta)
         if store is not None:
             store.trim_swa()
@@ -133,9 +155,14 @@ class V41Layer(nn.Module):
     def __init__(self, cfg: V41Config, layer: int):
         super().__init__()
         h = cfg.hidden_size
-        self.input_norm, self.post_norm = DeepseekV4RMSNorm(h, cfg.rms_norm_eps), DeepseekV4RMSNorm(h, cfg.rms_norm_eps)
+        self.input_norm, self.post_norm = (
+            DeepseekV4RMSNorm(h, cfg.rms_norm_eps), DeepseekV4RMSNorm(h, cfg.rms_norm_eps),
+        )
         self.attn = V41Attention(cfg, layer)
-        self.gate, self.up, self.down = _linear(h, cfg.intermediate_size), _linear(h, cfg.intermediate_size), _linear(cfg.intermediate_size, h)
+        self.gate, self.up, self.down = (
+            _linear(h, cfg.intermediate_size), _linear(h, cfg.intermediate_size),
+            _linear(cfg.intermediate_size, h),
+        )
 
     def forward(self, h, pos, h_src, store, ctxs):
         h = h + self.attn(self.input_norm(h), pos, h_src, store, ctxs)
@@ -167,16 +194,22 @@ class V41ForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.embed
 
-    def forward(self, input_ids: torch.LongTensor, past_key_values=None, use_cache: bool | None = None,
-                labels: torch.LongTensor | None = None, logits_to_keep: int = 0, half_depth: bool | None = None,
-                **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self, input_ids: torch.LongTensor, past_key_values=None, use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None, logits_to_keep: int = 0, half_depth: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """A prefill into an empty cache of a CED model runs half-depth (`half_depth=False` forces the
         naive full-depth pass): the encoder over every token, the decoder's global KV projected from
         the layer-L/2 input for every token, the decoder itself over the last `n_win` tokens only
         (their logits are the ones returned)."""
         cfg = self.config
         use_cache = (not self.training) if use_cache is None else use_cache
-        cache = past_key_values if isinstance(past_key_values, V41Cache) else (V41Cache(cfg) if use_cache else None)
+        cache = (
+            past_key_values
+            if isinstance(past_key_values, V41Cache)
+            else (V41Cache(cfg) if use_cache else None)
+        )
         b, t = input_ids.shape
         start = cache.get_seq_length() if cache is not None else 0
         pos = torch.arange(start, start + t)
@@ -188,7 +221,7 @@ class V41ForCausalLM(PreTrainedModel, GenerationMixin):
             if i == cfg.split:
                 h_split = h
                 if half:  # half-depth prefill: the decoder replays only the last n_win prompt tokens
-                    h, pos, ctxs = h[:, -cfg.n_win:], pos[-cfg.n_win:], {}
+                    h, pos, ctxs = h[:, -cfg.n_win :], pos[-cfg.n_win :], {}
             own = h if not (cfg.ced and i >= cfg.split) else h_split
             h = layer(h, pos, own, store, ctxs)
         if cache is not None:
@@ -198,8 +231,10 @@ class V41ForCausalLM(PreTrainedModel, GenerationMixin):
         logits = self.lm_head(h[:, -logits_to_keep:] if logits_to_keep else h)
         loss = None
         if labels is not None:
-            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, cfg.vocab_size).float(), labels[:, 1:].reshape(-1),
-                                               ignore_index=-100)
+            loss = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, cfg.vocab_size).float(), labels[:, 1:].reshape(-1),
+                ignore_index=-100,
+            )
             if ctxs.get("index_losses"):  # the indexer's own objective, as V3.2 / V4 train it
                 loss = loss + sum(ctxs["index_losses"]) / len(ctxs["index_losses"])
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)

@@ -4,12 +4,13 @@ on a synthetic associative-recall mixture, then compare their recall.
 Each sequence: `pairs` key-value pairs at the start (MQAR-style), then local text (real prose from
 the standard library, one token per byte), then the keys asked again in a shuffled order, each
 followed by its value. The objective is the LM loss over every token plus the loss on the asked
-values alone (and, for V4.1, its indexer's KL to the main attention). Recall accuracy is the share of asked values predicted exactly; both
-models see the same batches in the same order.
+values alone (and, for V4.1, its indexer's KL to the main attention). Recall accuracy is the share
+of asked values predicted exactly; both models see the same batches in the same order.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import time
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvstrata.models.v41 import V41Cache, V41ForCausalLM, preset
+from kvstrata.models.v41 import V41Cache, V41Config, V41ForCausalLM, preset
 from kvstrata.text import natural_paragraphs
 
 KEY0, VALUE0 = 100, 300  # keys and values are drawn from their own id ranges (text ids are < 100)
@@ -40,24 +42,31 @@ class TrainConfig:
     overrides: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        import inspect
-
-        from kvstrata.models.v41 import V41Config
 
         for name in ("seq_len", "pairs", "vocab", "batch", "steps", "eval_sequences"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train-ref: {name} must be a positive whole number, got {value!r}")
         if self.pairs > self.vocab:
-            raise ValueError(f"train-ref: pairs ({self.pairs}) must be <= vocab ({self.vocab}): keys are distinct")
+            raise ValueError(
+                f"train-ref: pairs ({self.pairs}) must be <= vocab ({self.vocab}): keys are distinct"
+            )
         if self.seq_len < 4 * self.pairs:  # the pairs (2 tokens each), text, the pairs asked again
-            raise ValueError(f"train-ref: seq_len ({self.seq_len}) must be at least 4 x pairs ({4 * self.pairs})")
+            raise ValueError(
+                f"train-ref: seq_len ({self.seq_len}) must be at least 4 x pairs ({4 * self.pairs})"
+            )
         if not isinstance(self.overrides, dict):
-            raise ValueError(f"train-ref: overrides must be a mapping of V41Config fields, got {type(self.overrides).__name__}")
+            raise ValueError(
+                "train-ref: overrides must be a mapping of V41Config fields, got "
+                f"{type(self.overrides).__name__}"
+            )
         known = set(inspect.signature(V41Config.__init__).parameters) - {"self", "kwargs"}
         unknown = sorted(set(self.overrides) - known)
         if unknown:
-            raise ValueError(f"--override: unknown V41Config fields {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"--override: unknown V41Config fields {', '.join(unknown)} (known: "
+                f"{', '.join(sorted(known))})"
+            )
         try:
             preset(self.preset, **self.overrides)  # cheap: a config, no weights
         except (TypeError, AttributeError) as exc:
@@ -79,22 +88,25 @@ def batch(cfg: TrainConfig, rng: random.Random, text: list[int], n: int) -> tupl
         vals = [rng.randrange(VALUE0, VALUE0 + cfg.vocab) for _ in keys]
         start = rng.randrange(len(text) - fill)
         order = rng.sample(range(cfg.pairs), cfg.pairs)
-        seq = [t for kv in zip(keys, vals) for t in kv] + text[start:start + fill]
+        seq = [t for kv in zip(keys, vals) for t in kv] + text[start : start + fill]
         q0 = len(seq)
         seq += [t for j in order for t in (keys[j], vals[j])]
         ids[i] = torch.tensor(seq)
-        ask[i, q0:q0 + 2 * cfg.pairs:2] = True
+        ask[i, q0 : q0 + 2 * cfg.pairs : 2] = True
     return ids, ask
 
 
 def baseline_for(cfg):
     """A dense transformer of the same width, depth, heads and MLP (full causal attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=1,
-        head_dim=cfg.latent_dim, max_position_embeddings=4096, tie_word_embeddings=True, attn_implementation="sdpa"))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=1, head_dim=cfg.latent_dim, max_position_embeddings=4096,
+            tie_word_embeddings=True, attn_implementation="sdpa",
+        )
+    )
 
 
 def train_one(model, cfg: TrainConfig, text: list[int], label: str) -> dict:
@@ -108,7 +120,9 @@ def train_one(model, cfg: TrainConfig, text: list[int], label: str) -> dict:
         out = model(input_ids=ids, labels=ids, use_cache=False)
         # the LM loss over every token, plus the asked values' loss on its own so that recall is not
         # drowned by the text (the same objective for both models)
-        answer = torch.nn.functional.cross_entropy(out.logits[:, :-1][ask[:, :-1]].float(), ids[:, 1:][ask[:, :-1]])
+        answer = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1][ask[:, :-1]].float(), ids[:, 1:][ask[:, :-1]]
+        )
         loss = out.loss + answer
         opt.zero_grad()
         loss.backward()
@@ -117,8 +131,10 @@ def train_one(model, cfg: TrainConfig, text: list[int], label: str) -> dict:
         sched.step()
         losses.append(loss.item())
     model.eval()
-    return {"seconds": time.perf_counter() - t0, "final_loss": sum(losses[-50:]) / min(50, len(losses)),
-            "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "seconds": time.perf_counter() - t0, "final_loss": sum(losses[-50:]) / min(50, len(losses)),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 @torch.no_grad()
@@ -142,7 +158,9 @@ def recall_cached(model, cfg: TrainConfig, text: list[int], n: int = 64) -> floa
     right = 0
     for i in range(n):
         q = int(ask[i].nonzero()[-1])
-        out = model(input_ids=ids[i:i + 1, :q + 1], past_key_values=V41Cache(model.config), logits_to_keep=1)
+        out = model(
+            input_ids=ids[i : i + 1, : q + 1], past_key_values=V41Cache(model.config), logits_to_keep=1
+        )
         right += int(out.logits[0, -1].argmax() == ids[i, q + 1])
     return right / n
 

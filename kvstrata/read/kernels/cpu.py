@@ -27,7 +27,8 @@ def _cache_root() -> Path:
 
 def _cpu_id() -> str:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = ""
     return platform.machine() + flags
@@ -35,7 +36,9 @@ def _cpu_id() -> str:
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_id().encode()):
+    for part in (
+        SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_id().encode(),
+    ):
         h.update(part)
     return h.hexdigest()[:16]
 
@@ -46,18 +49,24 @@ def load(verbose: bool = False):
         return _state["module"]
     module = None
     if os.environ.get("KVSTRATA_KERNELS", "auto") != "reference":
-        from torch.utils import cpp_extension
+        from torch.utils import (
+            cpp_extension,  # the compiler toolchain helpers, loaded only when the kernel is built
+        )
 
         key = build_key()
         build_dir = _cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            module = cpp_extension.load(name=f"kvstrata_decode_{key}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose)
+            module = cpp_extension.load(
+                name=f"kvstrata_decode_{key}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose,
+            )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference path
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             first = next((line for line in lines if "error" in line.lower()), lines[0])
-            warnings.warn(f"kvstrata: C++ decode kernel unavailable ({first[:200]}); using the reference path",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"kvstrata: C++ decode kernel unavailable ({first[:200]}); using the reference path",
+                RuntimeWarning, stacklevel=2,
+            )
     _state["module"] = module
     return module

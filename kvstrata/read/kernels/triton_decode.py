@@ -57,19 +57,31 @@ def _decode(codes, scales, mins, tscale, rows, valid, bh, cs_bh, cs_t, ss_bh, ss
     r = tl.where(valid, rows, 0)
     m2 = valid[:, None] & (d[None, :] < dim)
     if KIND == 0:  # float32
-        return tl.load(codes.to(tl.pointer_type(tl.float32)) + bh * cs_bh + r[:, None] * cs_t + d[None, :], mask=m2, other=0.0)
+        return tl.load(
+            codes.to(tl.pointer_type(tl.float32)) + bh * cs_bh + r[:, None] * cs_t + d[None, :], mask=m2,
+            other=0.0,
+        )
     if KIND == 1:  # bf16, loaded as its bits
-        bits = tl.load(codes.to(tl.pointer_type(tl.uint16)) + bh * cs_bh + r[:, None] * cs_t + d[None, :], mask=m2, other=0)
+        bits = tl.load(
+            codes.to(tl.pointer_type(tl.uint16)) + bh * cs_bh + r[:, None] * cs_t + d[None, :], mask=m2,
+            other=0,
+        )
         return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     if KIND == 2:  # fp8 E4M3 + fp32 scale per block of BLK
         c = tl.load(codes + bh * cs_bh + r[:, None] * cs_t + d[None, :], mask=m2, other=0).to(tl.int32)
-        s = tl.load(scales.to(tl.pointer_type(tl.float32)) + bh * ss_bh + r[:, None] * ss_t + (d // BLK)[None, :],
-                    mask=m2, other=0.0)
+        s = tl.load(
+            scales.to(tl.pointer_type(tl.float32)) + bh * ss_bh + r[:, None] * ss_t + (d // BLK)[None, :],
+            mask=m2, other=0.0,
+        )
         return _e4m3(c) * s
     if KIND == 3 or KIND == 4:  # NVFP4 / MXFP4: two E2M1 codes per byte, low nibble first
-        byte = tl.load(codes + bh * cs_bh + r[:, None] * cs_t + (d // 2)[None, :], mask=m2, other=0).to(tl.int32)
+        byte = tl.load(codes + bh * cs_bh + r[:, None] * cs_t + (d // 2)[None, :], mask=m2, other=0).to(
+            tl.int32
+        )
         c = tl.where((d % 2 == 0)[None, :], byte & 15, byte >> 4)
-        sb = tl.load(scales + bh * ss_bh + r[:, None] * ss_t + (d // BLK)[None, :], mask=m2, other=0).to(tl.int32)
+        sb = tl.load(scales + bh * ss_bh + r[:, None] * ss_t + (d // BLK)[None, :], mask=m2, other=0).to(
+            tl.int32
+        )
         if KIND == 3:
             s = _e4m3(sb) * tscale
         else:
@@ -81,12 +93,16 @@ def _decode(codes, scales, mins, tscale, rows, valid, bh, cs_bh, cs_t, ss_bh, ss
     if CHANNEL:  # keys grouped per channel: groups of BLK tokens along each channel
         blk = r // BLK
         j = r % BLK
-        byte = tl.load(codes + bh * cs_bh + d[None, :] * cs_d + blk[:, None] * cs_t + (j // PER)[:, None], mask=m2,
-                       other=0).to(tl.int32)
+        byte = tl.load(
+            codes + bh * cs_bh + d[None, :] * cs_d + blk[:, None] * cs_t + (j // PER)[:, None], mask=m2,
+            other=0,
+        ).to(tl.int32)
         code = (byte >> ((j % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
         off = bh * ss_bh + d[None, :] * ss_d + blk[:, None] * ss_t
     else:
-        byte = tl.load(codes + bh * cs_bh + r[:, None] * cs_t + (d // PER)[None, :], mask=m2, other=0).to(tl.int32)
+        byte = tl.load(codes + bh * cs_bh + r[:, None] * cs_t + (d // PER)[None, :], mask=m2, other=0).to(
+            tl.int32
+        )
         code = (byte >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
         off = bh * ss_bh + r[:, None] * ss_t + (d // BLK)[None, :]
     s = _half(tl.load(scales.to(tl.pointer_type(tl.uint16)) + off, mask=m2, other=0).to(tl.int32))
@@ -95,11 +111,12 @@ def _decode(codes, scales, mins, tscale, rows, valid, bh, cs_bh, cs_t, ss_bh, ss
 
 
 @triton.jit
-def _attend_run(Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA,
-                n, skip, per_split, dim, kc_bh, kc_t, ks_bh, ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t, idx_bh,
-                scaling, softcap,
-                G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KKIND: tl.constexpr, VKIND: tl.constexpr,
-                KCHAN: tl.constexpr, KBLK: tl.constexpr, VBLK: tl.constexpr, SPARSE: tl.constexpr):
+def _attend_run(
+    Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA, n, skip, per_split, dim, kc_bh, kc_t, ks_bh,
+    ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t, idx_bh, scaling, softcap, G: tl.constexpr, D: tl.constexpr,
+    BN: tl.constexpr, KKIND: tl.constexpr, VKIND: tl.constexpr, KCHAN: tl.constexpr, KBLK: tl.constexpr,
+    VBLK: tl.constexpr, SPARSE: tl.constexpr,
+):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -118,7 +135,10 @@ def _attend_run(Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA,
             valid = valid & (rows >= 0)
         else:
             rows = offs + skip
-        k = _decode(KC, KS, KM, k_ts, rows, valid, bh, kc_bh, kc_t, ks_bh, ks_t, kc_d, ks_d, dim, D, KKIND, KCHAN, KBLK)
+        k = _decode(
+            KC, KS, KM, k_ts, rows, valid, bh, kc_bh, kc_t, ks_bh, ks_t, kc_d, ks_d, dim, D, KKIND, KCHAN,
+            KBLK,
+        )
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [G, BN]
         if softcap > 0:
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
@@ -127,7 +147,9 @@ def _attend_run(Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA,
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         corr = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        v = _decode(VC, VS, VM, v_ts, rows, valid, bh, vc_bh, vc_t, vs_bh, vs_t, 0, 0, dim, D, VKIND, False, VBLK)
+        v = _decode(
+            VC, VS, VM, v_ts, rows, valid, bh, vc_bh, vc_t, vs_bh, vs_t, 0, 0, dim, D, VKIND, False, VBLK
+        )
         acc = acc * corr[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         l_sum = l_sum * corr + tl.sum(p, axis=1)
         m = m_new
@@ -158,14 +180,24 @@ def _run_args(parts: dict, kind: int, channel: bool, heads: int, like):
     scales, mins = _flat(parts.get("scales"), heads, like), _flat(parts.get("mins"), heads, like)
     # element strides of the (b, h) index, the token (or token-block) axis, and the channel axis
     ax = 3 if channel else 2
-    cs = (codes.stride(1), codes.stride(ax), codes.stride(2) if channel else 0) if codes.dim() > 2 else (0, 0, 0)
-    ss = (scales.stride(1), scales.stride(ax), scales.stride(2) if channel else 0) if scales.dim() > 2 else (0, 0, 0)
+    cs = (
+        (codes.stride(1), codes.stride(ax), codes.stride(2) if channel else 0)
+        if codes.dim() > 2
+        else (0, 0, 0)
+    )
+    ss = (
+        (scales.stride(1), scales.stride(ax), scales.stride(2) if channel else 0)
+        if scales.dim() > 2
+        else (0, 0, 0)
+    )
     u8 = lambda t: t.view(torch.uint8) if t.dtype in (torch.uint8, torch.float8_e4m3fn) else t  # noqa: E731
     return codes, u8(scales), mins, cs, ss
 
 
-def attend(query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
-           softcap: float | None = None, idx: torch.Tensor | None = None, block: int = 32) -> torch.Tensor:
+def attend(
+    query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
+    softcap: float | None = None, idx: torch.Tensor | None = None, block: int = 32,
+) -> torch.Tensor:
     """`query: [b, hq, 1, d]` over `runs` — (kind, channel, k_parts, v_parts, k_block, v_block,
     k_tscale, v_tscale, length, skip) per run, parts `[b, h, ...]` — then the tail `[b, h, t, d]`;
     `idx: [b, h, m]` positions over all of them (sorted) or None. -> `[b, hq, d]` float32."""
@@ -175,8 +207,10 @@ def attend(query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v:
     G, D = _pow2(g), _pow2(dim)
     q = torch.zeros(b * h, G, D, dtype=torch.float32, device=query.device)
     q[:, :g, :dim] = query[:, :, 0].float().reshape(b * h, g, dim)
-    tail = (F32, False, {"values": tail_k.float().contiguous()}, {"values": tail_v.float().contiguous()}, 0, 0, 1.0, 1.0,
-            tail_k.shape[-2], 0)
+    tail = (
+        F32, False, {"values": tail_k.float().contiguous()}, {"values": tail_v.float().contiguous()}, 0, 0,
+        1.0, 1.0, tail_k.shape[-2], 0,
+    )
     ms, ls, accs = [], [], []
     start = 0
     for kind, channel, kp, vp, kblk, vblk, kts, vts, length, skip in [*runs, tail]:
@@ -200,10 +234,10 @@ def attend(query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v:
         ol = torch.empty_like(om)
         oa = torch.empty(b * h, splits, G, D, device=q.device)
         _attend_run[(b * h, splits)](
-            q, kc, ks, km, vc, vs, vm, float(kts), float(vts), rows, om, ol, oa,
-            n, skip, per, dim, kcs[0], kcs[1], kss[0], kss[1], kcs[2], kss[2], vcs[0], vcs[1], vss[0], vss[1],
-            rows.stride(0) if idx is not None else 0, float(scaling), float(softcap or 0.0),
-            G=G, D=D, BN=block, KKIND=kind, VKIND=kind, KCHAN=channel, KBLK=kblk, VBLK=vblk, SPARSE=idx is not None,
+            q, kc, ks, km, vc, vs, vm, float(kts), float(vts), rows, om, ol, oa, n, skip, per, dim, kcs[0],
+            kcs[1], kss[0], kss[1], kcs[2], kss[2], vcs[0], vcs[1], vss[0], vss[1],
+            rows.stride(0) if idx is not None else 0, float(scaling), float(softcap or 0.0), G=G, D=D,
+            BN=block, KKIND=kind, VKIND=kind, KCHAN=channel, KBLK=kblk, VBLK=vblk, SPARSE=idx is not None,
         )
         ms.append(om)
         ls.append(ol)
