@@ -17,8 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 
+import torch
+
 from kvstrata import registry
 from kvstrata.codecs import BF16, Codec, build, coerce_params, split_spec
+from kvstrata.codecs.rotation import hadamard_rotation
 from kvstrata.keep import KeepPolicy
 from kvstrata.read import TopK
 from kvstrata.registry import REGISTRY
@@ -45,6 +48,12 @@ class StoreRecipe:
     keep: KeepPolicy | None = None
     depth: object | None = None
     read: TopK | None = None
+    rot: str = "none"  # "hadamard": K and V rotated along head_dim before encoding
+    rot_seed: int = 0
+
+    def rotation(self, head_dim: int) -> torch.Tensor | None:
+        """The rotation applied before encoding (`[head_dim, head_dim]`), or None."""
+        return hadamard_rotation(head_dim, self.rot_seed) if self.rot == "hadamard" else None
 
     @cached_property
     def key_group(self) -> int:
@@ -79,6 +88,11 @@ def _parse_component(text: str):
         return (entry.stratum, build(text, entry.stratum))
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
+    rot, seed = params.pop("rot", "none"), params.pop("rotseed", "0")
+    if rot not in ("none", "hadamard"):
+        raise ValueError(f"{name}: parameter rot must be 'none' or 'hadamard', got {rot!r}")
+    if not seed.isdigit() or int(seed) >= 1 << 31:
+        raise ValueError(f"{name}: parameter rotseed must be an integer in [0, 2^31), got {seed!r}")
     try:
         r_int = int(r)
     except ValueError:
@@ -91,7 +105,7 @@ def _parse_component(text: str):
     codec = cls(**coerce_params(cls, params, f"method {name}"))
     if keys == "channel" and not hasattr(codec, "group"):
         raise ValueError(f"{name}: keys=channel needs a grouped integer codec")
-    return StoreRecipe(codec, r_int, keys)
+    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed))
 
 
 def _parse_recipe(text: str) -> StoreRecipe:
@@ -109,6 +123,8 @@ def _parse_recipe(text: str) -> StoreRecipe:
         if len(found) > 1:
             raise ValueError(f"{text!r} combines {len(found)} {what}; a recipe takes at most one")
     store = stores[0] if stores else StoreRecipe()
+    if depths and store.rot != "none":
+        raise ValueError(f"{text!r}: a rotation does not combine with depth sharing")
     if depths and store.key_axis == "channel":
         store = replace(store, key_axis="token")  # depth blocks group tokens themselves
     return replace(

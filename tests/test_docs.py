@@ -82,7 +82,6 @@ def test_readme_is_a_front_door():
 def test_readme_headline_is_the_reports():
     text = (ROOT / "README.md").read_text()
     table = (ROOT / "docs" / "results" / "headline.md").read_text().strip()
-    start = text.index("<!-- headline: docs/results/headline.md -->\n") + len("<!-- headline: "
-                                                                              "docs/results/headline.md "
-                                                                              "-->\n")
+    marker = "<!-- headline: docs/results/headline.md -->\n"
+    start = text.index(marker) + len(marker)
     assert text[start : text.index("<!-- /headline -->")].strip() == table

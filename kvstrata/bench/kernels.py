@@ -67,7 +67,8 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
     for spec in CODECS:
         rec = parse_method(spec).full
         seg = encode_segment(rec, k, v)
-        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)])
+        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)],
+                            rotation=rec.rotation(d))
         held = sum(t.numel() * t.element_size() for t in seg.parts())
         if module is not None:
             args = kernel_args(view, tk, tv)
@@ -102,7 +103,8 @@ def measure_cuda(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[d
     for spec in CODECS:
         rec = parse_method(spec).full
         seg = encode_segment(rec, k.cuda(), v.cuda())
-        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)])
+        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)],
+                            rotation=rec.rotation(d))
         runs = triton_runs(view)
         held = sum(t.numel() * t.element_size() for t in seg.parts())
         op = _time(lambda: triton_decode.attend(q, runs, tk, tv, scale), repeats, True)

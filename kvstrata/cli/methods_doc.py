@@ -31,8 +31,11 @@ The first recipe applies to every layer; `full=` / `sliding=` override one class
 takes at most one component per stratum: a store codec, a keep policy, a depth-sharing method and a
 read method compose with `+` (`streaming:keep=0.5+nvfp4`, `depth:g=4+nvfp4`,
 `nvfp4+topk:k=256,indexer=lowrank`). Store codecs also take `r` (the newest `r` tokens stay in full
-precision, KIVI's residual) and `keys` (`token`: scales per token; `channel`: KIVI's keys grouped
-per channel along tokens, integer codecs only).
+precision, KIVI's residual), `keys` (`token`: scales per token; `channel`: KIVI's keys grouped
+per channel along tokens, integer codecs only) and `rot` (`hadamard`: K and V are rotated along
+head_dim by a randomized Hadamard matrix before encoding, `rotseed` picks its signs, default 0;
+the query is rotated the same way and the attention output rotated back, so nothing per token is
+stored and bytes per token do not change).
 """
 
 

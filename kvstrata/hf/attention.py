@@ -20,10 +20,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from kvstrata.keep import window_scores
 from kvstrata.read.decode import EncodedView, decode_attention
 
 NAME = "kvstrata"
 _OFFER: ContextVar[tuple[int, EncodedView] | None] = ContextVar("kvstrata_offer", default=None)
+_KEEP: ContextVar[tuple[int, object] | None] = ContextVar("kvstrata_keep", default=None)
 _BASE: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (config, the implementation we replaced)
 
 
@@ -102,6 +104,26 @@ def take(layer_idx: int) -> EncodedView | None:
     return got[1]
 
 
+def offer_keep(layer_idx: int, layer) -> None:
+    """`layer` (None: no layer) holds its prefill in full precision until this layer's attention
+    scores it; set on every cache update, so an offer never outlives the attention call it is for."""
+    _KEEP.set(None if layer is None else (layer_idx, layer))
+
+
+def score_keep(module, query, key, value, attention_mask, **kwargs) -> None:
+    """If this layer's keep policy waits for scores: the attention probabilities of the prompt's last
+    `window` queries (eager, over the same keys and mask), averaged per KV group, handed over."""
+    got = _KEEP.get()
+    if got is None or got[0] != module.layer_idx:
+        return
+    _KEEP.set(None)
+    layer = got[1]
+    w = min(layer.recipe.keep.window, query.shape[2])
+    mask = attention_mask[..., -w:, :] if attention_mask is not None else None
+    _, probs = eager_attention(module, query[:, :, -w:], key, value, mask, **kwargs)
+    layer.finish_keep(window_scores(probs, key.shape[1]))
+
+
 def eager_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs
 ):
@@ -159,7 +181,9 @@ def attend_view(module, query, view: EncodedView, key, value, attention_mask, sc
 def _kvstrata_attention(module, query, key, value, attention_mask, **kwargs):
     view = take(module.layer_idx)
     if view is None:
-        return delegate(module, query, key, value, attention_mask, **kwargs)
+        out = delegate(module, query, key, value, attention_mask, **kwargs)
+        score_keep(module, query, key, value, attention_mask, **kwargs)
+        return out
     return attend_view(module, query, view, key, value, attention_mask, **kwargs)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvstrata.hf.attention import offer, reads_encoded, use_fused
+from kvstrata.hf.attention import offer, offer_keep, reads_encoded, use_fused
 from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer
 from kvstrata.methods import MethodSpec, parse_method
@@ -43,10 +43,11 @@ class CompressedCache(Cache):
         """`fused`: decode steps attend straight from the encoded segments (the model's config is
         switched to kvstrata's attention, which otherwise behaves as the one it replaces)."""
         self.method = parse_method(method) if isinstance(method, str) else method
-        self.text_config = config.get_text_config(
-            decoder=True) if hasattr(config, "get_text_config") else config
+        text = getattr(config, "get_text_config", None)
+        self.text_config = text(decoder=True) if text else config
         self.fused = fused
-        if fused:
+        keeps = (self.method.full.keep, self.method.sliding.keep)
+        if fused or any(k is not None and k.needs_scores for k in keeps):  # the hook gathers keep scores
             use_fused(self.text_config)
         classes = layer_classes(config)
         layers: list[CacheLayerMixin] = []
@@ -87,6 +88,7 @@ class CompressedCache(Cache):
         if layer.offered is not None:
             offer(layer_idx, layer.offered)
             layer.offered = None
+        offer_keep(layer_idx, layer if layer.pending_keep else None)  # never a stale offer
         return out
 
     def head_modes(self) -> dict[str, int]:

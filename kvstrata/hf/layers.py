@@ -44,6 +44,8 @@ class CompressedLayer(CacheLayerMixin):
         self.read_prefix = (0, 0)
         self.fused_read = False  # set by the cache when the model's attention takes encoded views
         self.offered: EncodedView | None = None  # the last decode step's encoded part, for attention
+        # the prefill waits in full precision for the attention hook's keep scores (`finish_keep`)
+        self.pending_keep = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -63,7 +65,9 @@ class CompressedLayer(CacheLayerMixin):
     def view(self) -> EncodedView:
         """The encoded segments as they are now (later appends do not change it)."""
         runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
-        return EncodedView(self.recipe.codec, self.recipe.key_axis == "channel", runs, self.generation)
+        rotation = self.recipe.rotation(self.keys.shape[-1])
+        channel = self.recipe.key_axis == "channel"
+        return EncodedView(self.recipe.codec, channel, runs, self.generation, rotation)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
@@ -71,6 +75,10 @@ class CompressedLayer(CacheLayerMixin):
         tokens, with the encoded part left in `offered` (no dense copy is made)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.pending_keep:
+            raise RuntimeError(
+                f"{self.recipe.keep.name} needs the prefill's attention scores, which kvstrata's attention "
+                "gathers (CompressedCache selects it on the model's config); this model attended without it")
         first = self.cumulative_length == 0
         fused = self.fused_read and self.reads_views and key_states.shape[-2] == 1 and not first
         if fused:
@@ -84,10 +92,13 @@ class CompressedLayer(CacheLayerMixin):
         key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        if first:  # the context prefill: the keep policy acts once, after it
-            self._keep(scores=None)
-        self._trim()  # first, so tokens already out of a sliding window are never encoded
-        self._flush()
+        if first and self.needs_scores():  # scored by the attention hook, which calls finish_keep
+            self.pending_keep = True
+        else:
+            if first:  # the context prefill: the keep policy acts once, after it
+                self._keep(scores=None)
+            self._trim()  # first, so tokens already out of a sliding window are never encoded
+            self._flush()
         self.offered = view if fused else None
         # New tokens are attended in full precision now; later steps read them encoded.
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
@@ -108,6 +119,18 @@ class CompressedLayer(CacheLayerMixin):
         self._trim()  # first, so tokens already out of a sliding window are never encoded
         self._flush()
 
+    def needs_scores(self) -> bool:
+        """Whether the keep policy scores positions by attention (full-attention layers only)."""
+        policy = self.recipe.keep
+        return policy is not None and policy.needs_scores and not self.is_sliding
+
+    def finish_keep(self, scores: torch.Tensor) -> None:
+        """The prefill's observation-window scores `[batch, kv_heads, n]`: keep, then encode."""
+        self.pending_keep = False
+        self._keep(scores)
+        self._trim()
+        self._flush()
+
     def _keep(self, scores: torch.Tensor | None) -> None:
         """Apply the recipe's keep policy to the tail (full-attention layers only)."""
         policy = self.recipe.keep
@@ -115,8 +138,7 @@ class CompressedLayer(CacheLayerMixin):
             return
         if policy.needs_scores and scores is None:
             raise ValueError(
-                f"{policy.name} needs observation-window attention scores; fill the cache with "
-                "kvstrata.bench.protocol (prefill + load_prefill) instead of a plain forward"
+                f"{policy.name} needs observation-window attention scores (load_prefill got none)"
             )
         idx = policy.select(self.keys, scores)[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, idx)
@@ -198,6 +220,7 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
+        self.pending_keep = False
         self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:

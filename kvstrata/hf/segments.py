@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.codecs import QTensor
+from kvstrata.codecs.rotation import rotate, unrotate
 from kvstrata.methods import StoreRecipe
 
 #: rows a segment made by a small (decode-time) flush reserves, so later flushes append in place
@@ -58,6 +59,8 @@ def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor
     """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
     `reserve` spare tokens are allocated for later `append`s."""
     codec = recipe.codec
+    r = recipe.rotation(keys.shape[-1])
+    keys, values = rotate(keys, r), rotate(values, r)
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
     if reserve and hasattr(codec, "fits"):
         seg = Segment(*(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)) for x in (kt, values)),
@@ -81,6 +84,8 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
     if seg.length + n > kcap or seg.length % group:
         return False
     codec = recipe.codec
+    r = recipe.rotation(keys.shape[-1])
+    keys, values = rotate(keys, r), rotate(values, r)
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
     scales = [q.parts.get("tensor_scale") for q in (seg.keys, seg.values)]
     new = []
@@ -154,6 +159,8 @@ def decode_segment(
     if recipe.key_axis == "channel":
         k = k.transpose(-1, -2)
     v = codec.decode(seg.values).to(dtype)
+    r = recipe.rotation(k.shape[-1])
+    k, v = unrotate(k, r), unrotate(v, r)
     return k[..., seg.skip :, :], v[..., seg.skip :, :]
 
 

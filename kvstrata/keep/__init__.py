@@ -3,9 +3,11 @@
 from kvstrata.keep.base import KeepPolicy
 from kvstrata.keep.snapkv import SnapKV, window_scores
 from kvstrata.keep.streaming import StreamingLLM
+from kvstrata.keep.tova import TOVA
 from kvstrata.registry import register
 
 register(StreamingLLM, "keep")
 register(SnapKV, "keep")
+register(TOVA, "keep")
 
-__all__ = ["KeepPolicy", "SnapKV", "StreamingLLM", "window_scores"]
+__all__ = ["KeepPolicy", "SnapKV", "StreamingLLM", "TOVA", "window_scores"]

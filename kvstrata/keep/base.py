@@ -12,6 +12,8 @@ class KeepPolicy(Protocol):
     summary: ClassVar[str]
     #: whether `select` needs observation-window attention scores
     needs_scores: ClassVar[bool]
+    #: with `needs_scores`: how many of the context's last queries the scores are summed over
+    window: int
     keep: float
 
     def select(self, keys: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:

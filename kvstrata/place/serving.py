@@ -21,8 +21,8 @@ from kvstrata.hf.cache import CompressedCache, layer_classes
 from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
 from kvstrata.place.prefix_keys import block_hashes, model_fingerprint, namespace
-from kvstrata.place.records import RecordError, pack_block, parse_payload, unpack_block
-from kvstrata.place.store import KVStore
+from kvstrata.place.records import RecordError, pack_block, unpack_block
+from kvstrata.place.store import Entry, KVStore
 
 
 def weights_digest(model) -> str:
@@ -67,12 +67,12 @@ class PrefixServer:
         self.vocab, self.kv_heads = text.vocab_size, text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
-    def _unpack(self, klass: str, key: str, payload: bytes, layers: list[int], tokens: int | None):
+    def _unpack(self, entry: Entry, klass: str, layers: list[int], tokens: int | None):
         """A verified record's per-layer K/V `[1, kv_heads, tokens, head_dim]`, or None: a record that
         does not decode to exactly that is counted and removed."""
         try:
             recipe = self.spec.full if klass == "global" else self.spec.sliding
-            kv = unpack_block(recipe, *parse_payload(payload), self.dtype)
+            kv = unpack_block(recipe, *entry.open(), self.dtype)
             if sorted(kv) != layers:
                 raise RecordError(f"record holds layers {sorted(kv)}, expected {layers}")
             for k, v in kv.values():
@@ -81,7 +81,7 @@ class PrefixServer:
                     raise RecordError(f"record tensors {tuple(k.shape)} / {tuple(v.shape)} do not fit the "
                                       "model")
         except RecordError:
-            self.store.reject(key, klass)
+            entry.reject()
             return None
         return kv
 
@@ -96,8 +96,8 @@ class PrefixServer:
         # a model without sliding layers has no SWA state to lose: its global KV is the whole state
         found = self.store.lookup(hashes, self.ns, swa=bool(sliding))
         records = []
-        for h, payload in zip(hashes, found.payloads):
-            kv = self._unpack("global", h, payload, full, self.block)
+        for entry in found.entries:
+            kv = self._unpack(entry, "global", full, self.block)
             if kv is None:
                 break
             records.append(kv)
@@ -106,9 +106,8 @@ class PrefixServer:
         start, kind = 0, "miss"
         if records:
             # the SWA state belongs to the lookup's last block: a shorter usable chain replays
-            payload = found.swa_payload if len(records) == found.global_blocks else None
-            last = hashes[len(records) - 1]
-            swa_kv = self._unpack("swa", last, payload, sliding, None) if payload is not None else None
+            swa = found.swa if len(records) == found.global_blocks else None
+            swa_kv = self._unpack(swa, "swa", sliding, None) if swa is not None else None
             live = swa_kv is not None or not sliding
             kind = "hit" if live else "replay"
             start = P if live else max(0, P - self.n_win)

@@ -16,27 +16,42 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.disk_root import SECRET, open_root
 from kvstrata.place.memory import MemoryTier
-from kvstrata.place.records import RecordError, decode_record, encode_record, verify_record
+from kvstrata.place.records import RecordError, decode_record, encode_record, parse_payload, verify_record
 from kvstrata.place.redis_tier import RedisTier
 from kvstrata.place.secret import load_or_create, parse_hex
 from kvstrata.place.tier import StoreUnavailable, Tier
 
 
 @dataclass
+class Entry:
+    """A record proven intact and written under the key, class and namespace asked for (signature
+    checked), its tensors not parsed yet; `open` parses them, and a record that then does not parse
+    (or, for the caller, does not fit) is counted and removed with `reject`."""
+
+    payload: bytes | None
+    reject: Callable[[], None]
+    parsed: tuple[dict, dict] | None = None  # a record not yet written: already (tensors, meta)
+
+    def open(self) -> tuple[dict, dict]:
+        """(tensors, str metadata); raises RecordError when the payload does not parse."""
+        return self.parsed if self.parsed is not None else parse_payload(self.payload)
+
+
+@dataclass
 class Lookup:
     """Result of a prefix lookup: how many leading blocks hit in global KV, and whether the SWA
-    state saved at the last hit block is still live; with the verified (signed, key-, class- and
-    namespace-bound) payloads of those records, not yet parsed into tensors."""
+    state saved at the last hit block is still live; with those records, verified, not parsed."""
 
     global_blocks: int
     swa_live: bool
-    payloads: list[bytes] = field(default_factory=list, repr=False)
-    swa_payload: bytes | None = field(default=None, repr=False)
+    entries: list[Entry] = field(default_factory=list, repr=False)
+    swa: Entry | None = field(default=None, repr=False)
 
     @property
     def kind(self) -> str:
@@ -82,19 +97,26 @@ class KVStore:
         return self._verified("swa", key, namespace)
 
     def _verified(self, klass: str, key: str, namespace: bytes | None):
-        blob = self._tier(klass).get(key)
-        return None if blob is None else self._decode(klass, key, blob, namespace)
+        entry = self.entry(klass, key, namespace)
+        if entry is None:
+            return None
+        try:
+            return entry.open()
+        except RecordError:
+            entry.reject()
+            return None
 
-    def _payload(self, klass: str, key: str, namespace: bytes | None) -> bytes | None:
-        """The verified payload of `key`'s record (no tensor parsed), or None: a counted miss."""
+    def entry(self, klass: str, key: str, namespace: bytes | None = None) -> Entry | None:
+        """`key`'s record in `klass`, verified (no tensor parsed), or None: missing, or a counted miss."""
         blob = self._tier(klass).get(key)
         if blob is None:
             return None
         try:
-            return verify_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
+            payload = verify_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
         except RecordError:
             self.reject(key, klass)
             return None
+        return Entry(payload, lambda: self.reject(key, klass))
 
     def _decode(self, klass: str, key: str, blob: bytes, namespace: bytes | None):
         try:
@@ -113,15 +135,15 @@ class KVStore:
     def lookup(self, hashes: list[str], namespace: bytes | None = None, swa: bool = True) -> Lookup:
         """Longest prefix of `hashes` whose global KV is present and intact, and SWA liveness at its
         last block (`swa=False`: the model has no sliding layers, so no SWA state to lose)."""
-        payloads = []
+        entries = []
         for h in hashes:
-            payload = self._payload("global", h, namespace)
-            if payload is None:
+            entry = self.entry("global", h, namespace)
+            if entry is None:
                 break
-            payloads.append(payload)
-        n = len(payloads)
-        swa_payload = self._payload("swa", hashes[n - 1], namespace) if n and swa else None
-        return Lookup(n, n > 0 and (swa_payload is not None or not swa), payloads, swa_payload)
+            entries.append(entry)
+        n = len(entries)
+        live = self.entry("swa", hashes[n - 1], namespace) if n and swa else None
+        return Lookup(n, n > 0 and (live is not None or not swa), entries, live)
 
     @classmethod
     def from_config(cls, cfg) -> "KVStore":

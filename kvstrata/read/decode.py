@@ -12,16 +12,17 @@ what tests compare the kernels with). On a CUDA device the Triton kernels
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvstrata.codecs import QTensor
+from kvstrata.codecs.rotation import rotate, unrotate
 from kvstrata.read.kernels import cpu
 
 # codec name -> kernel kind; elements per scale block along head_dim (None: the codec's own field)
-_KINDS = {"bf16": (1, 0), "fp8": (2, None), "nvfp4": (
-    3, 16), "mxfp4": (4, 32), "int4": (5, None), "int2": (6, None)}
+_KINDS = {"bf16": (1, 0), "fp8": (2, None), "nvfp4": (3, 16), "mxfp4": (4, 32), "int4": (5, None),
+          "int2": (6, None)}
 F32 = 0
 _NONE = torch.empty(0)
 
@@ -36,6 +37,7 @@ class EncodedView:
     key_channel: bool
     runs: list[tuple[QTensor, QTensor, int]]
     generation: int = 0
+    rotation: torch.Tensor | None = None  # the codes hold K @ R and V @ R (`kvstrata.codecs.rotation`)
 
     @property
     def tokens(self) -> int:
@@ -48,8 +50,8 @@ class EncodedView:
             kd = self.codec.decode(k).to(dtype)
             if self.key_channel:
                 kd = kd.transpose(-1, -2)
-            ks.append(kd[..., skip:, :])
-            vs.append(self.codec.decode(v).to(dtype)[..., skip:, :])
+            ks.append(unrotate(kd[..., skip:, :], self.rotation))
+            vs.append(unrotate(self.codec.decode(v).to(dtype)[..., skip:, :], self.rotation))
         return ks, vs
 
 
@@ -67,7 +69,7 @@ class EncodedView:
                 else:
                     out.append(self.codec.decode(token_rows(k, a, b)).to(dtype))
             offset += n
-        return torch.cat(out, -2)
+        return unrotate(torch.cat(out, -2), self.rotation)
 
 
 def token_rows(q: QTensor, a: int, b: int) -> QTensor:
@@ -153,6 +155,11 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
     `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those. -> `[b, hq, d]`."""
+    if view.rotation is not None:  # attend in the rotated space the codes are in, then rotate back
+        r = view.rotation
+        out = decode_attention(rotate(query, r), replace(view, rotation=None), rotate(tail_k, r),
+                               rotate(tail_v, r), scaling, softcap, idx, fused)
+        return unrotate(out, r)
     fused = fused and view.codec.name in _KINDS  # a codec the kernels do not know: reference path
     if fused and query.device.type == "cuda":
         from kvstrata.read.kernels import triton_decode  # optional dependency: GPUs only

@@ -27,7 +27,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 from kvstrata.place.memory import MemoryTier
-from kvstrata.place.store import KVStore
+from kvstrata.place.records import RecordError
+from kvstrata.place.store import Entry, KVStore
 
 log = logging.getLogger("kvstrata.serve")
 
@@ -76,27 +77,24 @@ class WriteBehindStore(KVStore):
         return {"global": self.global_tier, "memory_global": self.memory.global_tier, "swa": self.swa_tier}
 
     # --- reads: pending first, then the tiers --------------------------------------------------
-    def get_global(self, key: str, namespace: bytes | None = None):
-        pending = self._pending_record("global", key, namespace)
+    def entry(self, klass: str, key: str, namespace: bytes | None = None) -> Entry | None:
+        pending = self._pending_record(klass, key, namespace)
         if pending is not None:
-            return pending
+            return Entry(None, lambda: None, parsed=pending)
         with self._lock:
-            rec = super().get_global(key, namespace)
-            if rec is not None:
-                return rec
-            rec = self.memory.get_global(key, namespace)
-        if (
-            rec is not None and RETENTION.get() == "24h" and namespace is not None
-        ):  # promote to the persistent tier
+            found = super().entry(klass, key, namespace)
+            if found is not None or klass == "swa":
+                return found
+            found = self.memory.entry("global", key, namespace)
+        if found is not None and RETENTION.get() == "24h" and namespace is not None:
+            try:  # promote to the persistent tier
+                rec = found.open()
+            except RecordError:
+                found.reject()
+                return None
             self._enqueue(_Pending("global", key, rec[0], dict(rec[1]), "24h", namespace))
-        return rec
-
-    def get_swa(self, key: str, namespace: bytes | None = None):
-        pending = self._pending_record("swa", key, namespace)
-        if pending is not None:
-            return pending
-        with self._lock:
-            return super().get_swa(key, namespace)
+            found = Entry(None, found.reject, parsed=rec)
+        return found
 
     def _pending_record(self, cls: str, key: str, namespace: bytes | None):
         """(tensors, str metadata) of a record not yet written, as `decode_record` would return it."""

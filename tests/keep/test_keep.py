@@ -3,11 +3,14 @@
 import pytest
 import torch
 
+from kvstrata.bench.protocol import build_cache, prefill
 from kvstrata.codecs import spec_of
 from kvstrata.hf import CompressedCache
-from kvstrata.hf.run import forward
-from kvstrata.keep import SnapKV, StreamingLLM, window_scores
+from kvstrata.hf.attention import attention_implementation, set_attention_implementation
+from kvstrata.hf.run import forward, generate
+from kvstrata.keep import TOVA, SnapKV, StreamingLLM, window_scores
 from kvstrata.methods import parse_method
+from kvstrata.models.tiny import byte_tokenizer
 
 
 def test_streaming_keeps_sinks_and_recent():
@@ -38,10 +41,56 @@ def test_window_scores_average_query_heads_per_kv_group():
     assert s[0, 0].argmax() == 1 and s[0, 1].argmax() == 4
 
 
-def test_snapkv_without_scores_is_a_clear_error(tiny_llama):
+def test_tova_keeps_the_last_querys_most_attended_positions():
+    scores = torch.zeros(1, 2, 10)
+    scores[0, 0, 2], scores[0, 0, 5] = 0.5, 0.3  # KV group 0's queries
+    scores[0, 1, 7], scores[0, 1, 1] = 0.6, 0.2  # KV group 1's queries
+    keys = torch.randn(1, 2, 10, 4)
+    idx = TOVA(keep=0.3).select(keys, scores)  # 3 of 10: the last position and the top 2 per group
+    assert idx[0, 0].tolist() == [2, 5, 9] and idx[0, 1].tolist() == [1, 7, 9]
+    shared = TOVA(keep=0.3, heads="all").select(keys, scores)  # heads averaged: 7 (0.3), 2 (0.25)
+    assert shared[0, 0].tolist() == shared[0, 1].tolist() == [2, 7, 9]
+    with pytest.raises(ValueError, match="heads must be"):
+        parse_method("tova:heads=some")
+
+
+@pytest.mark.parametrize("policy, spec", [(SnapKV, "snapkv:keep=0.4,window=8"), (TOVA, "tova:keep=0.4")])
+def test_a_plain_forward_keeps_what_the_bench_keeps(tiny_llama, monkeypatch, policy, spec):
+    """Scores gathered by the attention hook during a model's own prefill select exactly the
+    positions the benchmark's probe-and-load path selects."""
+    chosen = []
+    select = policy.select
+    monkeypatch.setattr(policy, "select", lambda self, k, s: chosen.append(select(self, k, s)) or chosen[-1])
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(4))
+    window = parse_method(spec).full.keep.window
+    build_cache(tiny_llama, prefill(tiny_llama, ids, window=window), parse_method(spec))
+    bench = list(chosen)
+    chosen.clear()
+    cache = CompressedCache(tiny_llama.config, spec)
+    forward(tiny_llama, ids, cache)
+    assert len(chosen) == len(bench) == tiny_llama.config.num_hidden_layers
+    assert all(torch.equal(a, b) for a, b in zip(chosen, bench))
+    assert cache.get_seq_length() == 60 and all(layer.stored_tokens() == 24 for layer in cache.layers)
+
+
+def test_keep_policies_run_through_generate(tiny_llama):
+    tok = byte_tokenizer()
+    ids = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(5))
+    for spec in ("snapkv:keep=0.3", "tova:keep=0.3+nvfp4", "streaming:keep=0.3"):
+        g = generate(tiny_llama, tok, ids, spec, max_new_tokens=4)
+        assert 1 <= len(g.new_tokens) <= 4 and g.kv_bytes_per_token < 0.5 * g.kv_bytes_per_token_bf16, spec
+
+
+def test_a_model_attending_without_the_hook_is_a_clear_error(tiny_llama):
     cache = CompressedCache(tiny_llama.config, "snapkv:keep=0.5")
-    with pytest.raises(ValueError, match="observation-window attention"):
+    before = attention_implementation(tiny_llama.config)
+    set_attention_implementation(tiny_llama.config, "sdpa")
+    try:
         forward(tiny_llama, torch.randint(0, 256, (1, 20)), cache)
+        with pytest.raises(RuntimeError, match="needs the prefill's attention scores"):
+            forward(tiny_llama, torch.randint(0, 256, (1, 1)), cache)
+    finally:
+        set_attention_implementation(tiny_llama.config, before)
 
 
 def test_bad_keep_params():

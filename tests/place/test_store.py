@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kvstrata.place import records, tier
+from kvstrata.place import store as store_module
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
@@ -159,13 +160,25 @@ def test_lookup_verifies_records_without_parsing_tensors(tmp_path, monkeypatch):
     def no_parsing(payload):
         raise AssertionError("lookup parsed a payload")
 
-    monkeypatch.setattr(records, "parse_payload", no_parsing)
+    monkeypatch.setattr(store_module, "parse_payload", no_parsing)
     found = s.lookup(ks)
-    assert (found.global_blocks, found.kind, len(found.payloads)) == (2, "hit", 2)
+    assert (found.global_blocks, found.kind, len(found.entries)) == (2, "hit", 2)
     monkeypatch.undo()
-    tensors, meta = records.parse_payload(found.payloads[0])
+    tensors, meta = found.entries[0].open()
     assert torch.equal(tensors["k"], BLOCK["k"]) and meta == {"tokens": "4"}
     assert s.lookup(ks, swa=False).kind == "hit" and s.lookup(ks[2:], swa=False).kind == "miss"
+
+
+def test_a_verified_record_that_does_not_parse_is_rejected_by_whoever_opens_it(tmp_path):
+    g = DiskTier(tmp_path, 1 << 20)
+    s = KVStore(g, MemoryTier(1 << 20))
+    k = keys(list(range(4)))[0]
+    g.put(k, records.seal(b"not safetensors", key=k, secret=s.secret, klass="global"))
+    [entry] = s.lookup([k]).entries  # signed and bound to the key: present
+    with pytest.raises(records.RecordError, match="does not parse"):
+        entry.open()
+    entry.reject()
+    assert g.stats.corrupt == 1 and k not in g.keys() and s.get_global(k) is None
 
 
 def test_every_tier_has_what_the_store_calls():
