@@ -23,13 +23,14 @@ from kvstrata.hf.attention import stock_attention
 from kvstrata.hf.probe import probing
 from kvstrata.hf.reading import reading
 from kvstrata.hf.run import forward
-from kvstrata.keep import window_scores
+from kvstrata.keep import window_rows
 from kvstrata.methods import MethodSpec
 
 
 @dataclass
 class Prefill:
-    """A prefilled context: per layer `(keys, values, seen)`, keep scores, the dense cache itself."""
+    """A prefilled context: per layer `(keys, values, seen)`, the observation window's attention per
+    KV group and query row (`[b, kv_heads, window, n]`, full-attention layers), the dense cache."""
 
     layers: list[tuple[torch.Tensor, torch.Tensor, int]]
     scores: list[torch.Tensor | None]
@@ -56,7 +57,7 @@ def prefill(model, ids: torch.Tensor, window: int = 32) -> Prefill:
         layers.append((layer.keys, layer.values, seen))
         probs = rec.probs[i]
         full = not getattr(layer, "is_sliding", False)
-        scores.append(window_scores(probs, kv_heads) if full and probs.shape[-1] == n else None)
+        scores.append(window_rows(probs, kv_heads) if full and probs.shape[-1] == n else None)
         queries.append(rec.queries[i])
     return Prefill(layers, scores, cache, n, seconds, queries)
 
@@ -69,7 +70,13 @@ def peak_rss_mb() -> float:
 def build_cache(model, pre: Prefill, spec: MethodSpec) -> tuple[CompressedCache, float]:
     t0 = time.perf_counter()
     cache = CompressedCache(model.config, spec)
-    cache.load_prefill(pre.layers, pre.scores, pre.queries)
+    keep = spec.full.keep
+    window = getattr(keep, "window", 0) if keep is not None and keep.needs_scores else 0
+    rows = max((s.shape[-2] for s in pre.scores if s is not None), default=0)
+    if window > rows:
+        raise ValueError(f"{keep.name} scores {window} queries; the prefill probed the last {rows}")
+    scores = [None if s is None or not window else s[..., -window:, :].sum(2) for s in pre.scores]
+    cache.load_prefill(pre.layers, scores, pre.queries)
     return cache, time.perf_counter() - t0
 
 

@@ -16,10 +16,17 @@ import torch.nn.functional as F
 from kvstrata.keep.base import budget, check_fraction
 
 
-def window_scores(attn: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """`attn: [batch, q_heads, window, n]` attention probabilities -> `[batch, kv_heads, n]`."""
+def window_rows(attn: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`attn: [batch, q_heads, window, n]` attention probabilities -> `[batch, kv_heads, window, n]`,
+    averaged over the query heads that share a KV head (GQA-aware)."""
     b, hq, w, n = attn.shape
-    return attn.float().sum(2).reshape(b, kv_heads, hq // kv_heads, n).mean(2)
+    return attn.float().reshape(b, kv_heads, hq // kv_heads, w, n).mean(2)
+
+
+def window_scores(attn: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`attn: [batch, q_heads, window, n]` -> `[batch, kv_heads, n]`: the window's rows summed (the
+    scores keep policies rank positions by; a policy with a window of w sums the last w rows)."""
+    return window_rows(attn, kv_heads).sum(2)
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,7 @@ def test_a_plain_forward_keeps_what_the_bench_keeps(tiny_llama, monkeypatch, pol
     select = policy.select
     monkeypatch.setattr(policy, "select", lambda self, k, s: chosen.append(select(self, k, s)) or chosen[-1])
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(4))
-    window = parse_method(spec).full.keep.window
-    build_cache(tiny_llama, prefill(tiny_llama, ids, window=window), parse_method(spec))
+    build_cache(tiny_llama, prefill(tiny_llama, ids), parse_method(spec))  # the probe's window: 32
     bench = list(chosen)
     chosen.clear()
     cache = CompressedCache(tiny_llama.config, spec)
