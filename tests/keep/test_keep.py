@@ -46,9 +46,9 @@ def test_tova_keeps_the_last_querys_most_attended_positions():
     scores[0, 0, 2], scores[0, 0, 5] = 0.5, 0.3  # KV group 0's queries
     scores[0, 1, 7], scores[0, 1, 1] = 0.6, 0.2  # KV group 1's queries
     keys = torch.randn(1, 2, 10, 4)
-    idx = TOVA(keep=0.3).select(keys, scores)  # 3 of 10: the last position and the top 2 per group
+    idx = TOVA(keep=0.3, heads="group").select(keys, scores)  # 3 of 10: the last and the top 2 per group
     assert idx[0, 0].tolist() == [2, 5, 9] and idx[0, 1].tolist() == [1, 7, 9]
-    shared = TOVA(keep=0.3, heads="all").select(keys, scores)  # heads averaged: 7 (0.3), 2 (0.25)
+    shared = TOVA(keep=0.3).select(keys, scores)  # all heads averaged: 7 (0.3), 2 (0.25)
     assert shared[0, 0].tolist() == shared[0, 1].tolist() == [2, 7, 9]
     with pytest.raises(ValueError, match="heads must be"):
         parse_method("tova:heads=some")
