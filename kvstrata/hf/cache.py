@@ -53,8 +53,8 @@ class CompressedCache(Cache):
         layers: list[CacheLayerMixin] = []
         for cls, window in classes:
             recipe = self.method.recipe(cls)
-            layers.append(CompressedSlidingLayer(recipe, window) if cls ==
-                          "sliding" else CompressedLayer(recipe))
+            sliding = cls == "sliding"
+            layers.append(CompressedSlidingLayer(recipe, window) if sliding else CompressedLayer(recipe))
         if self.method.full.depth:
             self._group_depth(layers, classes)
         super().__init__(layers=layers)
