@@ -1,13 +1,18 @@
-"""Method specs: strings users type (`nvfp4:r=64`, `int2:group=32,r=128`, `nvfp4;sliding=fp8`).
+"""Method specs: strings users type (`nvfp4:r=64`, `int2:group=32,r=128`, `nvfp4;sliding=fp8`,
+`layers[0-3]=fp8;layers[4-29]=int2:rot=hadamard`).
 
 Grammar::
 
-    spec      := recipe (";" class "=" recipe)*      class in {full, sliding}
+    spec      := chunk (";" chunk)*
+    chunk     := recipe | class "=" recipe | "layers[" ranges "]" "=" recipe
+    ranges    := (i | i "-" j) ("," (i | i "-" j))*          decoder layer indices, 0-based
     recipe    := component ("+" component)*
     component := name [":" key=value ("," key=value)*]
 
-The first recipe applies to every layer; `full=` / `sliding=` override one class of layers
-(V4.1 keeps global KV in FP4 and sliding-window KV in FP8: `nvfp4;sliding=fp8`). One registry
+A bare recipe (first chunk only) applies to every layer (`bf16` when absent); `full=` / `sliding=`
+override one class of layers (V4.1 keeps global KV in FP4 and sliding-window KV in FP8:
+`nvfp4;sliding=fp8`); `layers[...]=` overrides the layers listed and wins over both (what
+`kvstrata tune` emits). One registry
 (`kvstrata.registry`) resolves names; each entry says its stratum and its own parameters. A parsed
 spec holds config instances; text is rendered back from them only at the edges (`spec_of`).
 """
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
+
+import re
 
 import torch
 
@@ -63,14 +70,27 @@ class StoreRecipe:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A parsed method: one recipe per layer class."""
+    """A parsed method: one recipe per layer class, and per-layer overrides (`layers[...]=`)."""
 
     text: str
     full: StoreRecipe
     sliding: StoreRecipe
+    layers: tuple[tuple[frozenset[int], StoreRecipe], ...] = ()
 
-    def recipe(self, layer_class: str) -> StoreRecipe:
+    def recipe(self, layer_class: str, index: int | None = None) -> StoreRecipe:
+        """The recipe of decoder layer `index` (of class `layer_class`)."""
+        for members, recipe in self.layers:
+            if index in members:
+                return recipe
         return self.sliding if layer_class == "sliding" else self.full
+
+    def recipes(self) -> list[StoreRecipe]:
+        """Every recipe the spec names (class recipes first)."""
+        return [self.full, self.sliding] + [r for _, r in self.layers]
+
+    def max_layer(self) -> int:
+        """The highest layer index an override names (-1 without overrides)."""
+        return max((max(m) for m, _ in self.layers), default=-1)
 
     def __str__(self) -> str:
         return self.text
@@ -141,19 +161,60 @@ def parse_method(text: str) -> MethodSpec:
     return _parse(text, registry.generation())
 
 
+_LAYERS = re.compile(r"layers\[([^\]]*)\]\s*=(.*)", re.S)
+_CLASS = re.compile(r"(full|sliding)\s*=(.*)", re.S | re.I)
+MAX_LAYER = 4096  # beyond any model's depth: an index above it is a typo
+
+
+def parse_layers(text: str) -> frozenset[int]:
+    """`"0-3,7"` -> {0, 1, 2, 3, 7}; raises ValueError naming the bad item."""
+    out: set[int] = set()
+    for item in (p.strip() for p in text.split(",")):
+        lo, dash, hi = item.partition("-")
+        if not lo.strip().isdigit() or (dash and not hi.strip().isdigit()):
+            raise ValueError(f"layers[{text}]: {item!r} is not a layer index or an i-j range")
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if a > b or b > MAX_LAYER:
+            raise ValueError(f"layers[{text}]: range {item!r} is empty or beyond layer {MAX_LAYER}")
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
+def _check_override(recipe: StoreRecipe, chunk: str) -> StoreRecipe:
+    if recipe.depth is not None or recipe.read is not None:
+        raise ValueError(f"{chunk!r}: depth sharing and top-k reads apply to the whole model, not to listed layers")
+    return recipe
+
+
 @lru_cache(maxsize=1024)
 def _parse(text: str, generation: int) -> MethodSpec:
     chunks = [c.strip() for c in text.split(";")]
-    base = _parse_recipe(chunks[0])
+    first = chunks[0]
+    overrides = chunks
+    base = StoreRecipe()
+    if not (_LAYERS.fullmatch(first) or _CLASS.fullmatch(first)):
+        base, overrides = _parse_recipe(first), chunks[1:]
     per_class = {"full": base, "sliding": base}
-    given = set()
-    for chunk in chunks[1:]:
-        cls, eq, recipe = chunk.partition("=")
-        cls = cls.strip().lower()
-        if not eq or cls not in LAYER_CLASSES:
-            raise ValueError(f"{chunk!r}: expected <class>=<recipe> with class in {LAYER_CLASSES}")
-        if cls in given:
-            raise ValueError(f"{text.strip()!r}: layer class {cls!r} given twice")
-        given.add(cls)
-        per_class[cls] = _parse_recipe(recipe)
-    return MethodSpec(text.strip(), per_class["full"], per_class["sliding"])
+    layers: list[tuple[frozenset[int], StoreRecipe]] = []
+    given: set[str] = set()
+    for chunk in overrides:
+        by_layer, by_class = _LAYERS.fullmatch(chunk), _CLASS.fullmatch(chunk)
+        if by_layer:
+            members = parse_layers(by_layer[1])
+            taken = [i for m, _ in layers for i in sorted(m & members)]
+            if taken:
+                raise ValueError(f"{text.strip()!r}: layer {taken[0]} is assigned twice")
+            layers.append((members, _check_override(_parse_recipe(by_layer[2]), chunk)))
+        elif by_class:
+            cls = by_class[1].lower()
+            if cls in given:
+                raise ValueError(f"{text.strip()!r}: layer class {cls!r} given twice")
+            given.add(cls)
+            per_class[cls] = _parse_recipe(by_class[2])
+        else:
+            raise ValueError(f"{chunk!r}: expected <class>=<recipe> with class in {LAYER_CLASSES}, or "
+                             "layers[i-j,...]=<recipe> (a recipe for every layer goes first)")
+    spec = MethodSpec(text.strip(), per_class["full"], per_class["sliding"], tuple(layers))
+    if layers and any(r.depth is not None for r in spec.recipes()):
+        raise ValueError(f"{text.strip()!r}: depth sharing does not combine with per-layer assignments")
+    return spec

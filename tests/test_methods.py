@@ -40,3 +40,30 @@ def test_layer_class_overrides():
 def test_bad_specs_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_method(spec)
+
+
+def test_per_layer_assignments():
+    m = parse_method("layers[0-1,3]=fp8;layers[2]=int2:rot=hadamard")
+    assert [spec_of(m.recipe("full", i).codec) for i in range(5)] == ["fp8", "fp8", "int2", "fp8", "bf16"]
+    assert m.recipe("full", 2).rot == "hadamard" and m.max_layer() == 3
+    # layers[...] wins over the class override, which wins over the bare recipe
+    m = parse_method("nvfp4;sliding=fp8;layers[0]=bf16")
+    assert [spec_of(m.recipe(c, i).codec) for c, i in (("sliding", 0), ("sliding", 1), ("full", 1))] == [
+        "bf16", "fp8", "nvfp4"]
+    assert parse_method("fp8").max_layer() == -1
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("layers[0-3]=fp8;layers[3]=bf16", "layer 3 is assigned twice"),
+        ("layers[a]=fp8", "'a' is not a layer index"),
+        ("layers[3-1]=fp8", "empty"),
+        ("layers[0]=fp8+topk:k=64", "whole model"),
+        ("layers[0]=fp8;nvfp4", "goes first"),
+        ("depth;layers[0]=fp8", "does not combine"),
+    ],
+)
+def test_bad_per_layer_specs(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)

@@ -70,12 +70,14 @@ def peak_rss_mb() -> float:
 def build_cache(model, pre: Prefill, spec: MethodSpec) -> tuple[CompressedCache, float]:
     t0 = time.perf_counter()
     cache = CompressedCache(model.config, spec)
-    keep = spec.full.keep
-    window = getattr(keep, "window", 0) if keep is not None and keep.needs_scores else 0
     rows = max((s.shape[-2] for s in pre.scores if s is not None), default=0)
-    if window > rows:
-        raise ValueError(f"{keep.name} scores {window} queries; the prefill probed the last {rows}")
-    scores = [None if s is None or not window else s[..., -window:, :].sum(2) for s in pre.scores]
+    scores = []
+    for layer, s in zip(cache.layers, pre.scores):  # each layer sums the window its own policy asks for
+        keep = layer.recipe.keep
+        window = getattr(keep, "window", 0) if keep is not None and keep.needs_scores else 0
+        if window > rows:
+            raise ValueError(f"{keep.name} scores {window} queries; the prefill probed the last {rows}")
+        scores.append(None if s is None or not window else s[..., -window:, :].sum(2))
     cache.load_prefill(pre.layers, scores, pre.queries)
     return cache, time.perf_counter() - t0
 

@@ -74,8 +74,8 @@ def family(spec: str) -> str:
         return "sparse-read"
     if m.full.depth is not None:
         return "depth"
-    keep = m.full.keep is not None
-    quant = m.full.codec.name != "bf16" or m.sliding.codec.name != "bf16"
+    keep = any(r.keep is not None for r in m.recipes())
+    quant = any(r.codec.name != "bf16" for r in m.recipes())
     if keep:
         return "eviction+quant" if quant else "eviction"
     return "quantization" if quant else "reference"

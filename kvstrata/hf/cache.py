@@ -46,13 +46,16 @@ class CompressedCache(Cache):
         text = getattr(config, "get_text_config", None)
         self.text_config = text(decoder=True) if text else config
         self.fused = fused
-        keeps = (self.method.full.keep, self.method.sliding.keep)
+        keeps = [r.keep for r in self.method.recipes()]
         if fused or any(k is not None and k.needs_scores for k in keeps):  # the hook gathers keep scores
             use_fused(self.text_config)
         classes = layer_classes(config)
+        if self.method.max_layer() >= len(classes):
+            raise ValueError(f"method {self.method.text!r} assigns layer {self.method.max_layer()}; the model "
+                             f"has {len(classes)} layers (0-{len(classes) - 1})")
         layers: list[CacheLayerMixin] = []
-        for cls, window in classes:
-            recipe = self.method.recipe(cls)
+        for i, (cls, window) in enumerate(classes):
+            recipe = self.method.recipe(cls, i)
             sliding = cls == "sliding"
             layers.append(CompressedSlidingLayer(recipe, window) if sliding else CompressedLayer(recipe))
         if self.method.full.depth:

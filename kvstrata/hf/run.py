@@ -88,7 +88,8 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
     spec = parse_method(method) if isinstance(method, str) else method
     cache = CompressedCache(model.config, spec)
 
-    chunked = prefill_chunk is not None and spec.full.keep is None and prompt_ids.shape[1] > 1
+    keeps = any(r.keep is not None for r in spec.recipes())
+    chunked = prefill_chunk is not None and not keeps and prompt_ids.shape[1] > 1
     with torch.inference_mode(), reading(model, cache, spec):
         if chunked:
             prefill_chunked(model, cache, prompt_ids[:, :-1], prefill_chunk)

@@ -52,8 +52,11 @@ class PrefixServer:
     ):
         self.model, self.store, self.block, self.tenant = model, store, block_size, tenant
         self.spec = parse_method(method)
-        if self.spec.full.keep or self.spec.sliding.keep:
+        if any(r.keep for r in self.spec.recipes()):
             raise ValueError("the persistent store keeps every token: keep policies do not apply here")
+        if self.spec.layers:
+            raise ValueError("the persistent store encodes one recipe per layer class: per-layer assignments "
+                             "(layers[...]=) are not supported there")
         self.classes = layer_classes(model.config)
         windows = [w for c, w in self.classes if c == "sliding"]
         self.n_win = n_win if n_win is not None else 2 * max(windows, default=0)
