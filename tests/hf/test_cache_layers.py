@@ -135,8 +135,8 @@ def test_rewrites_bump_the_generation(tiny_llama):
 
 
 def test_per_layer_assignment_reaches_each_layer(tiny_gemma):
-    cache = CompressedCache(tiny_gemma.config, "nvfp4;sliding=fp8;layers[1]=int4:r=0;layers[2]=bf16")
+    cache = CompressedCache(tiny_gemma.config, "nvfp4;sliding=fp8;layers[1]=mxfp4;layers[2]=bf16")
     forward(tiny_gemma, torch.randint(0, 256, (1, 40)), cache)
-    assert [layer.segments[0].keys.spec for layer in cache.layers] == ["fp8", "int4", "bf16", "fp8"]
+    assert [layer.segments[0].keys.spec for layer in cache.layers] == ["fp8", "mxfp4", "bf16", "fp8"]
     with pytest.raises(ValueError, match="assigns layer 4; the model has 4 layers"):
         CompressedCache(tiny_gemma.config, "layers[4]=fp8")
