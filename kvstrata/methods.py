@@ -19,10 +19,9 @@ spec holds config instances; text is rendered back from them only at the edges (
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
-
-import re
 
 import torch
 
@@ -182,7 +181,8 @@ def parse_layers(text: str) -> frozenset[int]:
 
 def _check_override(recipe: StoreRecipe, chunk: str) -> StoreRecipe:
     if recipe.depth is not None or recipe.read is not None:
-        raise ValueError(f"{chunk!r}: depth sharing and top-k reads apply to the whole model, not to listed layers")
+        raise ValueError(f"{chunk!r}: depth sharing and top-k reads apply to the whole model, not to "
+                         "listed layers")
     return recipe
 
 

@@ -8,18 +8,15 @@ import json
 import re
 from pathlib import Path
 
-from kvstrata.bench import depth_ablation, kernels, memory, sparse_frontier, speed, v41_prefill
+from kvstrata.bench import depth_ablation, frontier, kernels, memory, sparse_frontier, speed, v41_prefill
 from kvstrata.bench.peers import compare
-from kvstrata.bench.results import USABLE, ReportInput, fmt, load_results, summarise
+from kvstrata.bench.results import FAMILY_COLOURS, USABLE, ReportInput, fmt, load_results, summarise
 
-FAMILY_COLOURS = {
-    "reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
-    "eviction+quant": "tab:green", "depth": "tab:purple", "sparse-read": "tab:red", "peer": "tab:gray",
-}
 # The report's sections after the main tables, in order: each takes a ReportInput and returns Markdown
 # ('' when its experiment has not run into this directory).
 SECTIONS = (
-    speed.report_section, kernels.report_section, memory.report_section, compare.report_section,
+    frontier.report_section, speed.report_section, kernels.report_section, memory.report_section,
+    compare.report_section,
     sparse_frontier.report_section, depth_ablation.report_section, v41_prefill.report_section,
 )
 

@@ -13,6 +13,10 @@ from statistics import mean
 from kvstrata.bench.rows import read_rows
 from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL
 
+FAMILY_COLOURS = {
+    "reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
+    "eviction+quant": "tab:green", "depth": "tab:purple", "sparse-read": "tab:red", "peer": "tab:gray",
+}
 USABLE = 0.5  # a task the uncompressed reference scores below this on is not used to rank methods
 
 
@@ -148,3 +152,14 @@ class ReportInput:
     rows: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
     skip_bad: bool = False
+
+
+def mark_frontier(points: list[dict], cost: str, value: str) -> None:
+    """Set `frontier` on each point: True when no other point costs no more and scores no less,
+    better in one of the two (points without a value are never on it)."""
+    scored = [p for p in points if p[value] is not None]
+    for p in points:
+        p["frontier"] = p[value] is not None and not any(
+            o[cost] <= p[cost] and o[value] >= p[value] and (o[cost] < p[cost] or o[value] > p[value])
+            for o in scored
+        )

@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from kvstrata.bench.results import ReportInput
+from kvstrata.bench.results import ReportInput, mark_frontier
 from kvstrata.bench.tasks import RETRIEVAL
 from kvstrata.codecs import spec_of
 from kvstrata.methods import parse_method
@@ -52,13 +52,7 @@ def points(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
                 }
             )
         if pts:
-            for p in pts:
-                p["frontier"] = not any(
-                    o["read"] <= p["read"]
-                    and o["retrieval"] >= p["retrieval"]
-                    and (o["read"] < p["read"] or o["retrieval"] > p["retrieval"])
-                    for o in pts
-                )
+            mark_frontier(pts, "read", "retrieval")
             out[key] = sorted(pts, key=lambda p: p["read"])
     return out
 

@@ -51,8 +51,9 @@ class CompressedCache(Cache):
             use_fused(self.text_config)
         classes = layer_classes(config)
         if self.method.max_layer() >= len(classes):
-            raise ValueError(f"method {self.method.text!r} assigns layer {self.method.max_layer()}; the model "
-                             f"has {len(classes)} layers (0-{len(classes) - 1})")
+            top = self.method.max_layer()
+            raise ValueError(f"method {self.method.text!r} assigns layer {top}; the model has "
+                             f"{len(classes)} layers (0-{len(classes) - 1})")
         layers: list[CacheLayerMixin] = []
         for i, (cls, window) in enumerate(classes):
             recipe = self.method.recipe(cls, i)

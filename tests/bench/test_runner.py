@@ -58,6 +58,7 @@ def test_report_outputs(bench_dir):
     out, _ = bench_dir
     md = write_report(out).read_text()
     assert "| `nvfp4` |" in md and "tiny-gemma" in md
+    assert "## Quality per byte" in md and (out / "frontier_tiny-gemma_448.png").exists()
     assert "## Decode speed" in md and "| `dynamic` |" in md
     assert (out / "plot_tiny-gemma_448.png").stat().st_size > 1000
     html = (out / "report.html").read_text()
