@@ -67,6 +67,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SmolLM2-135M, 2k, 2 instances per task, 7 methods (< 10 min)")
     b.set_defaults(func=c.cmd_bench)
 
+    tu = sub.add_parser("tune", help="the cheapest per-layer assignment that keeps a quality budget, "
+                        "certified on held-out instances (resumable)")
+    tu.add_argument("--model", required=True)
+    tu.add_argument("--length", type=int_in(64, BIG), required=True, help="context length in tokens")
+    tu.add_argument("--ladder", help="comma-separated recipes, best first (default "
+                    "bf16,fp8,nvfp4:rot=hadamard,int2:r=32,rot=hadamard)")
+    tu.add_argument("--tasks", help="comma-separated retrieval tasks (default single,multikey,multivalue,"
+                    "multiquery)")
+    tu.add_argument("--calib", default="100-101", help="calibration instance indices, e.g. 100-103 (default "
+                    "100-101; the benchmark reports 0-19)")
+    tu.add_argument("--heldout", default="0-3",
+                    help="held-out instance indices for the certificate (default 0-3)")
+    tu.add_argument("--max-drop", type=float_in(0, 1), default=0.01,
+                    help="retrieval (0-1) the spec may lose against bf16 on the same instances")
+    tu.add_argument("--top1", type=float_in(0, 1), default=0.97, help="floor on top-1 agreement")
+    tu.add_argument("--bytes", type=float_in(1, 1e9), help="target stored bytes per token (checked)")
+    tu.add_argument("--seed", type=SEED, default=0)
+    tu.add_argument("--out", default="runs/tune")
+    tu.set_defaults(func=c.cmd_tune)
+
     rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
     rp.add_argument("dir")
     rp.add_argument("--skip-bad", action="store_true",

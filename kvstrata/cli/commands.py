@@ -176,6 +176,51 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    from kvstrata.bench.tasks import RETRIEVAL
+    from kvstrata.bench.tune import DEFAULT_LADDER, TuneConfig, tune
+    from kvstrata.models.loader import check as check_model
+
+    cfg = TuneConfig(
+        model=args.model, length=args.length,
+        ladder=tuple(_split_methods(args.ladder)) if args.ladder else DEFAULT_LADDER,
+        tasks=_csv(args.tasks) if args.tasks else RETRIEVAL, calib=_indices(args.calib, "--calib"),
+        heldout=_indices(args.heldout, "--heldout"), max_drop=args.max_drop, top1=args.top1, bytes=args.bytes,
+        seed=args.seed, out=Path(args.out),
+    )
+    cfg.check()  # before any model loads
+    check_model(args.model)
+    _check_context(args.model, args.length, "--length")
+    cert = tune(cfg)
+    held = cert["heldout"]
+    delta = held["delta_vs_bf16"]
+    print(f"spec: {cert['spec']}")
+    ci = f" (Δ {delta['mean']:+.2f}, 95 % CI [{delta['ci95'][0]:+.2f}, {delta['ci95'][1]:+.2f}])" if delta else ""
+    print(f"held-out ({len(held['indices'])} per task, {held['n_questions']} questions): "
+          f"{held['compression']:.2f}× smaller, retrieval {_num(held['retrieval'])} vs bf16 "
+          f"{_num(held['bf16_retrieval'])}{ci}, top-1 {held['top1']:.3f}")
+    print(f"certificate: {cfg.out / 'certificate.json'}")
+    met = cert["quality_met_on_calibration"] and cert["heldout_quality_met"] and cert["bytes_met"] is not False
+    if not met:
+        print("budget not met (see the certificate's calibration / heldout / bytes_met)", file=sys.stderr)
+    return 0 if met else 1
+
+
+def _num(x) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def _indices(text: str, flag: str) -> tuple[int, ...]:
+    """`100-103,110` -> (100, 101, 102, 103, 110), or a clear error naming the flag."""
+    out: list[int] = []
+    for item in (p.strip() for p in text.split(",")):
+        lo, dash, hi = item.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise ValueError(f"{flag}: {item!r} is not an instance index or an i-j range")
+        out += range(int(lo), int(hi if dash else lo) + 1)
+    return tuple(dict.fromkeys(out))
+
+
 def _length(text: str, where: str) -> int:
     """A context length in tokens, or a clear error naming where it came from."""
     try:

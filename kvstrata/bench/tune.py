@@ -1,0 +1,289 @@
+"""`kvstrata tune`: the cheapest per-layer assignment over a ladder of recipes that keeps a stated
+quality, with a certificate measured on held-out instances.
+
+1. Sensitivity, measured once: for each layer and each rung of the ladder (best first, e.g. `bf16`,
+   `fp8`, `nvfp4:rot=hadamard`, `int2:r=32,rot=hadamard`), that layer alone on that rung, every other
+   layer bf16: KL against the uncompressed cache on the calibration continuations, and the bytes
+   the layer then holds.
+2. A path from every layer on the cheapest rung to every layer on the best: each step takes the
+   upgrade that buys the most KL per byte.
+3. A binary search along the path for the cheapest point whose calibration quality holds: retrieval
+   within `max_drop` of bf16 on the same instances and top-1 agreement at least `top1`.
+4. The certificate: the chosen spec and bf16 on held-out instances (disjoint from calibration), the
+   scores with their n, the paired difference with its 95 % interval, bytes per token measured.
+
+Everything measured is kept in `OUT/tune_state.json`, so an interrupted run resumes where it stopped.
+Calibration instances are drawn with indices the benchmark does not report (100 and up by default):
+no parameter is chosen per reported instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import mean
+
+import torch
+from tqdm import tqdm
+
+from kvstrata.bench import protocol
+from kvstrata.bench.paired import paired_delta
+from kvstrata.bench.results import USABLE
+from kvstrata.bench.tasks import RETRIEVAL, check_fed, make_instance, score_answer
+from kvstrata.methods import parse_method
+from kvstrata.models import load
+
+DEFAULT_LADDER = ("bf16", "fp8", "nvfp4:rot=hadamard", "int2:r=32,rot=hadamard")
+REFERENCE = "bf16"
+
+
+@dataclass
+class TuneConfig:
+    model: str
+    length: int
+    ladder: tuple[str, ...] = DEFAULT_LADDER  # recipes, best first
+    tasks: tuple[str, ...] = RETRIEVAL
+    calib: tuple[int, ...] = (100, 101)
+    heldout: tuple[int, ...] = (0, 1, 2, 3)
+    max_drop: float = 0.01  # retrieval points (0-1) the chosen spec may lose against bf16
+    top1: float = 0.97  # floor on top-1 agreement with the uncompressed cache
+    bytes: float | None = None  # optional target, stored bytes per token
+    seed: int = 0
+    haystack: str = "noise"
+    out: Path = field(default_factory=lambda: Path("runs/tune"))
+
+    def check(self) -> None:
+        if len(self.ladder) < 2:
+            raise ValueError("the ladder needs at least two recipes (best first)")
+        for rung in self.ladder:
+            if ";" in rung:
+                raise ValueError(f"ladder rung {rung!r}: one recipe per rung (no ';')")
+            parse_method(f"layers[0]={rung}")  # a rung must be assignable to one layer
+        if set(self.calib) & set(self.heldout):
+            raise ValueError(f"calibration instances {sorted(set(self.calib) & set(self.heldout))} are also "
+                             "held out: they must be disjoint")
+        if not self.calib or not self.heldout:
+            raise ValueError("tuning needs calibration and held-out instances")
+        for t in self.tasks:
+            if t not in RETRIEVAL:
+                raise ValueError(f"tune scores retrieval tasks ({', '.join(RETRIEVAL)}); got {t!r}")
+
+    def key(self) -> dict:
+        """What measurements depend on: a state file written under other settings is refused."""
+        return {k: v for k, v in asdict(self).items() if k in ("model", "length", "seed", "haystack")}
+
+
+class Evaluator:
+    """Runs a spec on one instance, once: results live in the state file, prefills in memory."""
+
+    def __init__(self, cfg: TuneConfig, load_model=None):
+        self.cfg, self._load = cfg, load_model or load
+        self.path = cfg.out / "tune_state.json"
+        self.state = json.loads(self.path.read_text()) if self.path.exists() else {"config": cfg.key(),
+                                                                                     "results": {}}
+        if self.state["config"] != cfg.key():
+            raise ValueError(f"{self.path} was measured with {self.state['config']}; use another --out for "
+                             f"{cfg.key()}")
+        self._model = None
+        self.prefills: dict[tuple[str, int], tuple] = {}
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = self._load(self.cfg.model)
+        return self._model
+
+    def _save(self) -> None:
+        self.cfg.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.path)
+
+    def _prefill(self, task: str, index: int, keep: bool):
+        if (task, index) in self.prefills:
+            return self.prefills[(task, index)]
+        model, tok = self.model
+        inst = make_instance(task, tok, self.cfg.length, index, self.cfg.seed, self.cfg.haystack)
+        ids = tok(inst.context, return_tensors="pt").input_ids
+        check_fed(inst, self.cfg.length, ids.shape[1])
+        pre = protocol.prefill(model, ids)
+        extra = None
+        if task == "fidelity":
+            cont = tok(inst.continuation, add_special_tokens=False, return_tensors="pt").input_ids
+            extra = (cont, protocol.reference_logits(model, pre, cont))
+        found = (inst, pre, extra)
+        if keep:
+            self.prefills[(task, index)] = found
+        return found
+
+    def run(self, task: str, index: int, specs: list[str], keep: bool = True) -> dict[str, dict]:
+        """{spec: result} on instance `index` of `task` (`fidelity` or a retrieval task)."""
+        results = self.state["results"]
+        missing = [s for s in dict.fromkeys(specs) if f"{task}/{index}/{s}" not in results]
+        if missing:
+            inst, pre, extra = self._prefill(task, index, keep)
+            model, tok = self.model
+            with torch.inference_mode():
+                for spec in missing:
+                    results[f"{task}/{index}/{spec}"] = self._one(model, tok, inst, pre, extra, spec)
+            self._save()
+        return {s: results[f"{task}/{index}/{s}"] for s in specs}
+
+    @staticmethod
+    def _one(model, tok, inst, pre, extra, spec: str) -> dict:
+        method = parse_method(spec)
+        if extra is None:
+            res = protocol.ask(model, tok, pre, method, inst.questions[0])
+            return {"score": score_answer(res["output"], inst.questions[0].answers),
+                    "bytes_per_token": res["kv_bytes"] / pre.tokens}
+        cont, ref = extra
+        cache, _ = protocol.build_cache(model, pre, method)
+        layer_bytes = cache.nbytes()["layers"]
+        res = protocol.continuation(model, cache, cont, ref, sum(layer_bytes), None)
+        return {"kl": res["kl"], "top1": res["top1"], "layer_bytes": [b / pre.tokens for b in layer_bytes],
+                "bytes_per_token": sum(layer_bytes) / pre.tokens}
+
+
+def sensitivity(ev: Evaluator, cfg: TuneConfig) -> tuple[list[list[float]], list[list[float]]]:
+    """Per layer and rung: mean calibration KL with that layer alone on that rung, and its bytes/token."""
+    base = {i: ev.run("fidelity", i, [REFERENCE])[REFERENCE] for i in cfg.calib}
+    n = len(base[cfg.calib[0]]["layer_bytes"])
+    kl = [[0.0] * len(cfg.ladder) for _ in range(n)]
+    size = [[0.0] * len(cfg.ladder) for _ in range(n)]
+    bar = tqdm(total=n * len(cfg.ladder), desc="tune: layer sensitivity", unit="eval")
+    for layer in range(n):
+        for r, rung in enumerate(cfg.ladder):
+            spec = REFERENCE if rung == REFERENCE else f"layers[{layer}]={rung}"
+            got = [ev.run("fidelity", i, [spec])[spec] for i in cfg.calib]
+            kl[layer][r] = mean(g["kl"] for g in got) if rung != REFERENCE else 0.0
+            size[layer][r] = mean(g["layer_bytes"][layer] for g in got)
+            bar.update(1)
+    bar.close()
+    return kl, size
+
+
+def upgrade_path(kl: list[list[float]], size: list[list[float]]) -> list[tuple[int, ...]]:
+    """Assignments (rung per layer) from each layer's smallest rung to its lowest-KL one, one upgrade
+    per step, each the one that removes the most KL per byte it adds (a rung that holds more bytes
+    for no less KL is never taken: on sliding layers a KIVI residual can outweigh the savings)."""
+    rungs = range(len(kl[0]))
+    cur = [min(rungs, key=lambda r: (size[layer][r], kl[layer][r])) for layer in range(len(kl))]
+    path = [tuple(cur)]
+    while True:
+        best = None
+        for layer, i in enumerate(cur):
+            for j in rungs:
+                gain, cost = kl[layer][i] - kl[layer][j], size[layer][j] - size[layer][i]
+                if gain > 0 and cost > 0 and (best is None or gain / cost > best[0]):
+                    best = (gain / cost, layer, j)
+        if best is None:
+            return path
+        cur[best[1]] = best[2]
+        path.append(tuple(cur))
+
+
+def _ranges(layers: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(layers):
+        start = x if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)
+
+
+def render(assign: tuple[int, ...], ladder: tuple[str, ...]) -> str:
+    """A method spec: the most used rung for every layer, `layers[...]=` for the others."""
+    counts = [assign.count(r) for r in range(len(ladder))]
+    base = max(range(len(ladder)), key=lambda r: (counts[r], -r))
+    chunks = [ladder[base]] + [
+        f"layers[{_ranges([i for i, a in enumerate(assign) if a == r])}]={ladder[r]}"
+        for r in range(len(ladder)) if r != base and counts[r]
+    ]
+    return ";".join(chunks)
+
+
+def quality(ev: Evaluator, cfg: TuneConfig, spec: str, indices, keep: bool = True) -> dict:
+    """Spec and bf16 on `indices`: per-instance scores, retrieval on tasks bf16 can do, top-1."""
+    specs = [spec, REFERENCE]
+    scores = {s: {} for s in specs}
+    for task in cfg.tasks:
+        for i in indices:
+            for s, res in ev.run(task, i, specs, keep).items():
+                scores[s][(task, i)] = res
+    fid = {i: ev.run("fidelity", i, specs, keep) for i in indices}
+    usable = [t for t in cfg.tasks if mean(scores[REFERENCE][(t, i)]["score"] for i in indices) >= USABLE]
+
+    def retrieval(s):
+        return mean(mean(scores[s][(t, i)]["score"] for i in indices) for t in usable) if usable else None
+
+    def flat(s):
+        return {k: v["score"] for k, v in scores[s].items() if k[0] in usable}
+
+    return {
+        "spec": spec, "indices": list(indices), "usable_tasks": usable,
+        "n_questions": len(usable) * len(indices), "retrieval": retrieval(spec),
+        "bf16_retrieval": retrieval(REFERENCE), "delta": paired_delta(flat(spec), flat(REFERENCE)),
+        "top1": mean(f[spec]["top1"] for f in fid.values()), "kl": mean(f[spec]["kl"] for f in fid.values()),
+        "bytes_per_token": mean(v["bytes_per_token"] for v in scores[spec].values()),
+        "bf16_bytes_per_token": mean(v["bytes_per_token"] for v in scores[REFERENCE].values()),
+        "per_task": {t: mean(scores[spec][(t, i)]["score"] for i in indices) for t in cfg.tasks},
+    }
+
+
+def passes(q: dict, cfg: TuneConfig) -> bool:
+    """The quality budget: retrieval within `max_drop` of bf16 (when any task is usable) and top-1."""
+    kept = q["retrieval"] is None or q["retrieval"] >= q["bf16_retrieval"] - cfg.max_drop - 1e-9
+    return kept and q["top1"] >= cfg.top1
+
+
+def tune(cfg: TuneConfig, load_model=None) -> dict:
+    """Search, certify on held-out instances, write `OUT/certificate.json`; returns the certificate."""
+    cfg.check()
+    ev = Evaluator(cfg, load_model)
+    kl, size = sensitivity(ev, cfg)
+    path = upgrade_path(kl, size)
+    specs = [render(a, cfg.ladder) for a in path]
+    tried: dict[int, dict] = {}
+
+    def ok(k: int) -> bool:
+        if k not in tried:
+            tried[k] = quality(ev, cfg, specs[k], cfg.calib)
+            bar.update(1)
+        return passes(tried[k], cfg)
+
+    bar = tqdm(desc="tune: search", unit="candidate")
+    lo, hi = 0, len(path) - 1
+    if ok(lo):
+        hi = lo
+    elif ok(hi):
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    bar.close()
+    chosen = hi
+    calib = tried[chosen]
+    held = quality(ev, cfg, specs[chosen], cfg.heldout, keep=False)
+    cert = {
+        "model": cfg.model, "length": cfg.length, "spec": specs[chosen], "ladder": list(cfg.ladder),
+        "budget": {"max_drop": cfg.max_drop, "top1": cfg.top1, "bytes_per_token": cfg.bytes},
+        "quality_met_on_calibration": passes(calib, cfg),
+        "bytes_met": None if cfg.bytes is None else held["bytes_per_token"] <= cfg.bytes,
+        "calibration": _public(calib), "heldout": _public(held),
+        "heldout_quality_met": passes(held, cfg),
+        "search": [{"spec": specs[k], "passes": passes(q, cfg), "retrieval": q["retrieval"],
+                    "top1": q["top1"], "bytes_per_token": q["bytes_per_token"]} for k, q in sorted(tried.items())],
+        "sensitivity_kl": kl, "layer_bytes_per_token": size,
+    }
+    (cfg.out / "certificate.json").write_text(json.dumps(cert, indent=1))
+    return cert
+
+
+def _public(q: dict) -> dict:
+    d = q["delta"]
+    out = {k: v for k, v in q.items() if k != "delta"}
+    out["compression"] = q["bf16_bytes_per_token"] / q["bytes_per_token"]
+    out["delta_vs_bf16"] = None if d is None else {"mean": d.mean, "ci95": [d.lo, d.hi], "n": d.n}
+    return out

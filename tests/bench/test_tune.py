@@ -1,0 +1,91 @@
+"""`kvstrata tune` on a tiny model: the budget holds for what it picks, calibration and held-out
+instances stay apart, a rerun measures nothing again, and the path / spec helpers."""
+
+import json
+
+import pytest
+
+from kvstrata.bench.tune import TuneConfig, render, tune, upgrade_path
+from kvstrata.cli import main
+from kvstrata.hf import CompressedCache
+from kvstrata.methods import parse_method
+from kvstrata.models.tiny import byte_tokenizer
+
+LADDER = ("bf16", "fp8", "int2:r=4,group=8")
+
+
+def _cfg(out, **kw):
+    base = dict(model="tiny-gemma", length=448, ladder=LADDER, calib=(100,), heldout=(0,), top1=0.95, out=out)
+    return TuneConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory, tiny_gemma):
+    cfg = _cfg(tmp_path_factory.mktemp("tune"))
+    return cfg, tune(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
+
+
+def test_the_choice_keeps_the_budget_and_nothing_cheaper_tried_does(tuned, tiny_gemma):
+    cfg, cert = tuned
+    chosen = next(s for s in cert["search"] if s["spec"] == cert["spec"])
+    assert cert["quality_met_on_calibration"] and chosen["passes"] and chosen["top1"] >= cfg.top1
+    for s in cert["search"]:
+        assert s["passes"] == (s["top1"] >= cfg.top1)  # no usable retrieval task on a random model
+        if s["bytes_per_token"] < chosen["bytes_per_token"]:
+            assert not s["passes"]
+    assert cert["calibration"]["indices"] == [100] and cert["heldout"]["indices"] == [0]
+    assert cert["heldout"]["bytes_per_token"] < cert["heldout"]["bf16_bytes_per_token"]
+    CompressedCache(tiny_gemma.config, cert["spec"])  # the spec runs on the model it was tuned for
+    assert json.loads((cfg.out / "certificate.json").read_text())["spec"] == cert["spec"]
+    assert len(cert["sensitivity_kl"]) == 4 and len(cert["sensitivity_kl"][0]) == len(LADDER)
+
+
+def test_a_rerun_resumes_from_the_state_file(tuned):
+    cfg, cert = tuned
+
+    def no_model(name):
+        raise AssertionError("everything was measured already")
+
+    assert tune(cfg, load_model=no_model) == cert
+
+
+def test_an_unreachable_bytes_target_is_reported(tuned, tiny_gemma):
+    cfg, cert = tuned
+    again = tune(_cfg(cfg.out, bytes=1.0), load_model=lambda name: (tiny_gemma, byte_tokenizer()))
+    assert again["bytes_met"] is False and again["spec"] == cert["spec"]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(calib=(0, 1), heldout=(1, 2)), "disjoint"),
+    (dict(ladder=("bf16",)), "at least two"),
+    (dict(ladder=("bf16", "fp8;sliding=bf16")), "one recipe"),
+    (dict(ladder=("bf16", "fp8+topk:k=8")), "whole model"),
+    (dict(tasks=("vartrack",)), "retrieval tasks"),
+])
+def test_bad_settings_are_refused(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(tmp_path, **kw).check()
+
+
+def test_cli_refuses_overlapping_instances_in_one_line(capsys, tmp_path):
+    assert main(["tune", "--model", "smollm2-135m", "--length", "1024", "--calib", "0-1", "--heldout", "1-3",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "disjoint" in err[0]
+
+
+def test_path_buys_the_most_kl_per_byte_first_and_skips_dominated_rungs():
+    kl = [[0, 0.1, 0.5], [0, 0.01, 0.02], [0, 0.2, 0.3]]
+    size = [[10, 5, 2], [10, 5, 2], [10, 5, 12]]  # layer 2's cheapest-looking rung holds the most
+    path = upgrade_path(kl, size)
+    assert path[0] == (2, 2, 1) and path[1] == (1, 2, 1) and path[-1] == (0, 0, 0)
+    costs = [sum(size[i][r] for i, r in enumerate(a)) for a in path]
+    assert costs == sorted(costs) and all(2 not in (a[2],) for a in path)
+
+
+def test_render_round_trips_through_the_grammar():
+    assign = (0, 1, 1, 2, 1, 0)
+    spec = render(assign, LADDER)
+    assert spec == "fp8;layers[0,5]=bf16;layers[3]=int2:r=4,group=8"
+    parsed = parse_method(spec)
+    assert [parsed.recipe("full", i) == parse_method(LADDER[a]).full for i, a in enumerate(assign)] == [True] * 6
