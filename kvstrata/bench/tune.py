@@ -274,7 +274,8 @@ def tune(cfg: TuneConfig, load_model=None) -> dict:
         "calibration": _public(calib), "heldout": _public(held),
         "heldout_quality_met": passes(held, cfg),
         "search": [{"spec": specs[k], "passes": passes(q, cfg), "retrieval": q["retrieval"],
-                    "top1": q["top1"], "bytes_per_token": q["bytes_per_token"]} for k, q in sorted(tried.items())],
+                    "top1": q["top1"], "bytes_per_token": q["bytes_per_token"]}
+                   for k, q in sorted(tried.items())],
         "sensitivity_kl": kl, "layer_bytes_per_token": size,
     }
     (cfg.out / "certificate.json").write_text(json.dumps(cert, indent=1))

@@ -195,12 +195,14 @@ def cmd_tune(args) -> int:
     held = cert["heldout"]
     delta = held["delta_vs_bf16"]
     print(f"spec: {cert['spec']}")
-    ci = f" (Δ {delta['mean']:+.2f}, 95 % CI [{delta['ci95'][0]:+.2f}, {delta['ci95'][1]:+.2f}])" if delta else ""
+    ci = "" if not delta else (f" (Δ {delta['mean']:+.2f}, 95 % CI [{delta['ci95'][0]:+.2f}, "
+                               f"{delta['ci95'][1]:+.2f}])")
     print(f"held-out ({len(held['indices'])} per task, {held['n_questions']} questions): "
           f"{held['compression']:.2f}× smaller, retrieval {_num(held['retrieval'])} vs bf16 "
           f"{_num(held['bf16_retrieval'])}{ci}, top-1 {held['top1']:.3f}")
     print(f"certificate: {cfg.out / 'certificate.json'}")
-    met = cert["quality_met_on_calibration"] and cert["heldout_quality_met"] and cert["bytes_met"] is not False
+    met = cert["quality_met_on_calibration"] and cert["heldout_quality_met"]
+    met = met and cert["bytes_met"] is not False
     if not met:
         print("budget not met (see the certificate's calibration / heldout / bytes_met)", file=sys.stderr)
     return 0 if met else 1

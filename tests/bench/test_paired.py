@@ -33,7 +33,8 @@ def test_tasks_weigh_equally_and_the_interval_covers_the_mean():
 
 
 def test_frontier_marks_only_undominated_points():
-    pts = [{"m": "a", "bytes": 10, "q": 0.9}, {"m": "b", "bytes": 5, "q": 0.9}, {"m": "c", "bytes": 4, "q": 0.5},
+    pts = [{"m": "a", "bytes": 10, "q": 0.9}, {"m": "b", "bytes": 5, "q": 0.9},
+           {"m": "c", "bytes": 4, "q": 0.5},
            {"m": "d", "bytes": 6, "q": 0.7}, {"m": "e", "bytes": 3, "q": None}]
     mark_frontier(pts, "bytes", "q")
     assert [p["m"] for p in pts if p["frontier"]] == ["b", "c"]
