@@ -56,6 +56,7 @@ class StoreRecipe:
     read: TopK | None = None
     rot: str = "none"  # "hadamard": K and V rotated along head_dim before encoding
     rot_seed: int = 0
+    smooth: float = 0.0  # > 0: keys divided per channel by (prefill absmax)^smooth, the query multiplied
 
     def rotation(self, head_dim: int) -> torch.Tensor | None:
         """The rotation applied before encoding (`[head_dim, head_dim]`), or None."""
@@ -108,10 +109,17 @@ def _parse_component(text: str):
     r = params.pop("r", str(entry.defaults.get("r", 0)))
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     rot, seed = params.pop("rot", "none"), params.pop("rotseed", "0")
+    smooth = params.pop("smooth", "0")
     if rot not in ("none", "hadamard"):
         raise ValueError(f"{name}: parameter rot must be 'none' or 'hadamard', got {rot!r}")
     if not seed.isdigit() or int(seed) >= 1 << 31:
         raise ValueError(f"{name}: parameter rotseed must be an integer in [0, 2^31), got {seed!r}")
+    try:
+        smooth_f = float(smooth)
+    except ValueError:
+        smooth_f = -1.0
+    if not 0 <= smooth_f <= 1:
+        raise ValueError(f"{name}: parameter smooth must be a number in [0, 1], got {smooth!r}")
     try:
         r_int = int(r)
     except ValueError:
@@ -124,7 +132,7 @@ def _parse_component(text: str):
     codec = cls(**coerce_params(cls, params, f"method {name}"))
     if keys == "channel" and not hasattr(codec, "group"):
         raise ValueError(f"{name}: keys=channel needs a grouped integer codec")
-    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed))
+    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f)
 
 
 def _parse_recipe(text: str) -> StoreRecipe:
@@ -144,6 +152,8 @@ def _parse_recipe(text: str) -> StoreRecipe:
     store = stores[0] if stores else StoreRecipe()
     if depths and store.rot != "none":
         raise ValueError(f"{text!r}: a rotation does not combine with depth sharing")
+    if (depths or reads) and store.smooth:
+        raise ValueError(f"{text!r}: key smoothing does not combine with depth sharing or top-k reads")
     if depths and store.key_axis == "channel":
         store = replace(store, key_axis="token")  # depth blocks group tokens themselves
     return replace(

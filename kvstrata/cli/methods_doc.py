@@ -21,13 +21,19 @@ when this page differs from what the command prints.
 ## The spec grammar
 
 ```text
-spec      := recipe (";" class "=" recipe)*      class in {full, sliding}, each at most once
+spec      := chunk (";" chunk)*
+chunk     := recipe | class "=" recipe | "layers[" ranges "]=" recipe
+                                                 class in {full, sliding}, each at most once
+ranges    := (i | i "-" j) ("," (i | i "-" j))*  0-based decoder layers, each assigned at most once
 recipe    := component ("+" component)*          at most one of each stratum
 component := name [":" key=value ("," key=value)*]
 ```
 
-The first recipe applies to every layer; `full=` / `sliding=` override one class of layers
-(`nvfp4;sliding=fp8` keeps global KV in NVFP4 and sliding-window KV in FP8, as V4.1 does). A recipe
+A bare recipe (the first chunk, `bf16` when absent) applies to every layer; `full=` / `sliding=`
+override one class of layers (`nvfp4;sliding=fp8` keeps global KV in NVFP4 and sliding-window KV
+in FP8, as V4.1 does); `layers[...]=` overrides the listed layers and wins over both
+(`nvfp4:rot=hadamard;layers[0-3]=fp8`; `kvstrata tune` emits such specs). A per-layer recipe takes
+a store codec and a keep policy; depth sharing and top-k reads apply to the whole model. A recipe
 takes at most one component per stratum: a store codec, a keep policy, a depth-sharing method and a
 read method compose with `+` (`streaming:keep=0.5+nvfp4`, `depth:g=4+nvfp4`,
 `nvfp4+topk:k=256,indexer=lowrank`). Store codecs also take `r` (the newest `r` tokens stay in full
@@ -35,7 +41,10 @@ precision, KIVI's residual), `keys` (`token`: scales per token; `channel`: KIVI'
 per channel along tokens, integer codecs only) and `rot` (`hadamard`: K and V are rotated along
 head_dim by a randomized Hadamard matrix before encoding, `rotseed` picks its signs, default 0;
 the query is rotated the same way and the attention output rotated back, so nothing per token is
-stored and bytes per token do not change).
+stored and bytes per token do not change) and `smooth` (`A` in [0, 1], default 0: each layer's keys
+are divided per channel by their prefill magnitude to the power `A` (normalised per head) and the
+query multiplied by the same, so q.k is unchanged while outlier channels stop setting every
+token's scale; the divisors, `head_dim` fp32 per KV head and layer, are counted in the bytes).
 """
 
 

@@ -25,6 +25,15 @@ from kvstrata.methods import StoreRecipe
 from kvstrata.read.decode import EncodedView
 
 
+def smoothing_scale(keys: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-channel key divisors `[b, kv_heads, 1, head_dim]`: each channel's largest magnitude over
+    `keys: [b, kv_heads, n, head_dim]` to the power `alpha`, over their geometric mean per head (so the
+    keys' overall scale is kept); dividing keys and multiplying the query by it leaves q.k unchanged
+    while flattening the outlier channels a per-token scale would otherwise be set by."""
+    s = keys.float().abs().amax(-2, keepdim=True).clamp_min(1e-6).pow(alpha)
+    return s / s.log().mean(-1, keepdim=True).exp()
+
+
 class CompressedLayer(CacheLayerMixin):
     """Full-attention layer: encoded segments + a full-precision tail of the newest tokens."""
 
@@ -46,6 +55,8 @@ class CompressedLayer(CacheLayerMixin):
         self.offered: EncodedView | None = None  # the last decode step's encoded part, for attention
         # the prefill waits in full precision for the attention hook's keep scores (`finish_keep`)
         self.pending_keep = False
+        # key smoothing: per-channel divisors `[batch, kv_heads, 1, head_dim]`, set by the first flush
+        self.key_scale: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -58,7 +69,7 @@ class CompressedLayer(CacheLayerMixin):
         ks, vs = [], []
         for seg in self.segments:
             k, v = decode_segment(self.recipe, seg, self.dtype)
-            ks.append(k)
+            ks.append(k if self.key_scale is None else (k * self.key_scale).to(self.dtype))
             vs.append(v)
         return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
 
@@ -67,7 +78,7 @@ class CompressedLayer(CacheLayerMixin):
         runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
         rotation = self.recipe.rotation(self.keys.shape[-1])
         channel = self.recipe.key_axis == "channel"
-        return EncodedView(self.recipe.codec, channel, runs, self.generation, rotation)
+        return EncodedView(self.recipe.codec, channel, runs, self.generation, rotation, self.key_scale)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
@@ -152,6 +163,10 @@ class CompressedLayer(CacheLayerMixin):
         if n <= 0:
             return
         k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        if self.recipe.smooth:
+            if self.key_scale is None:  # the first flush holds the prefill: it sets the divisors
+                self.key_scale = smoothing_scale(k, self.recipe.smooth)
+            k = k / self.key_scale
         if not (self.segments and append(self.recipe, self.segments[-1], k, v)):
             # the first segment (the prefill) is exact; later small flushes reserve rows to append to
             rows = max(APPEND_ROWS, 4 * group)
@@ -178,6 +193,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
+        tensors += [self.key_scale] if self.key_scale is not None else []
         return held_bytes(tensors)
 
     def shrink(self) -> None:
@@ -221,6 +237,7 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = False
         self.cumulative_length = 0
         self.pending_keep = False
+        self.key_scale = None
         self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -234,6 +251,8 @@ class CompressedLayer(CacheLayerMixin):
             for q in (seg.keys, seg.values):
                 q.parts = {k: (t if k == "tensor_scale" else fn(t)) for k, t in q.parts.items()}
             seg.buffers = {}  # the parts are new tensors now: nothing to append into
+        if self.key_scale is not None:
+            self.key_scale = fn(self.key_scale)
         if self.is_initialized:
             self.keys, self.values = fn(self.keys), fn(self.values)
 

@@ -38,6 +38,7 @@ class EncodedView:
     runs: list[tuple[QTensor, QTensor, int]]
     generation: int = 0
     rotation: torch.Tensor | None = None  # the codes hold K @ R and V @ R (`kvstrata.codecs.rotation`)
+    key_scale: torch.Tensor | None = None  # `[b, h, 1, d]`: the codes hold K / key_scale (smoothing)
 
     @property
     def tokens(self) -> int:
@@ -50,7 +51,7 @@ class EncodedView:
             kd = self.codec.decode(k).to(dtype)
             if self.key_channel:
                 kd = kd.transpose(-1, -2)
-            ks.append(unrotate(kd[..., skip:, :], self.rotation))
+            ks.append(self._unscale(unrotate(kd[..., skip:, :], self.rotation)))
             vs.append(unrotate(self.codec.decode(v).to(dtype)[..., skip:, :], self.rotation))
         return ks, vs
 
@@ -69,7 +70,10 @@ class EncodedView:
                 else:
                     out.append(self.codec.decode(token_rows(k, a, b)).to(dtype))
             offset += n
-        return unrotate(torch.cat(out, -2), self.rotation)
+        return self._unscale(unrotate(torch.cat(out, -2), self.rotation))
+
+    def _unscale(self, k: torch.Tensor) -> torch.Tensor:
+        return k if self.key_scale is None else k * self.key_scale.to(k.dtype)
 
 
 def token_rows(q: QTensor, a: int, b: int) -> QTensor:
@@ -155,6 +159,11 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
     `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those. -> `[b, hq, d]`."""
+    if view.key_scale is not None:  # the codes hold K / s: attend with q * s (q.k unchanged)
+        s = view.key_scale.float()
+        sq = s.repeat_interleave(query.shape[1] // s.shape[1], 1)
+        return decode_attention(query.float() * sq, replace(view, key_scale=None), tail_k.float() / s, tail_v,
+                                scaling, softcap, idx, fused)
     if view.rotation is not None:  # attend in the rotated space the codes are in, then rotate back
         r = view.rotation
         out = decode_attention(rotate(query, r), replace(view, rotation=None), rotate(tail_k, r),
