@@ -14,8 +14,9 @@ from kvstrata.methods import parse_method
 
 def run(model, cache, ids, prefill=40):
     """Prefill 40 tokens, then decode the rest one at a time: the logits of every position."""
-    first = forward(model, ids[:, :prefill], cache, logits_to_keep=prefill)
-    return torch.cat([first] + [forward(model, ids[:, i : i + 1], cache) for i in range(prefill, ids.shape[1])], 1)
+    out = [forward(model, ids[:, :prefill], cache, logits_to_keep=prefill)]
+    out += [forward(model, ids[:, i : i + 1], cache) for i in range(prefill, ids.shape[1])]
+    return torch.cat(out, 1)
 
 
 @pytest.fixture(params=["llama", "gemma3"])
