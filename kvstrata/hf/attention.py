@@ -178,8 +178,22 @@ def attend_view(module, query, view: EncodedView, key, value, attention_mask, sc
     return delegate(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
+def fit_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
+    """The model builds one mask per layer type from its first layer's sizes; a layer whose keep
+    policy held a different number of entries (per-layer specs) gets it aligned to its own keys:
+    held entries sit just before the queries, so the mask's last columns are the ones that apply
+    (extra held entries at the front are visible as its first column is)."""
+    if mask is None or mask.shape[-1] == kv_len:
+        return mask
+    if mask.shape[-1] > kv_len:
+        return mask[..., -kv_len:]
+    front = mask[..., :1].expand(*mask.shape[:-1], kv_len - mask.shape[-1])
+    return torch.cat([front, mask], -1)
+
+
 def _kvstrata_attention(module, query, key, value, attention_mask, **kwargs):
     view = take(module.layer_idx)
+    attention_mask = fit_mask(attention_mask, key.shape[-2] + (view.tokens if view is not None else 0))
     if view is None:
         out = delegate(module, query, key, value, attention_mask, **kwargs)
         score_keep(module, query, key, value, attention_mask, **kwargs)

@@ -47,7 +47,8 @@ class CompressedCache(Cache):
         self.text_config = text(decoder=True) if text else config
         self.fused = fused
         keeps = [r.keep for r in self.method.recipes()]
-        if fused or any(k is not None and k.needs_scores for k in keeps):  # the hook gathers keep scores
+        # the hook gathers keep scores, and aligns the mask of layers whose keep policies differ
+        if fused or any(k is not None and (k.needs_scores or self.method.layers) for k in keeps):
             use_fused(self.text_config)
         classes = layer_classes(config)
         if self.method.max_layer() >= len(classes):

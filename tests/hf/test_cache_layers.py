@@ -5,6 +5,7 @@ import torch
 
 from kvstrata.codecs import get_codec
 from kvstrata.hf import CompressedCache
+from kvstrata.hf.attention import fit_mask
 from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer
 from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
@@ -140,3 +141,31 @@ def test_per_layer_assignment_reaches_each_layer(tiny_gemma):
     assert [layer.segments[0].keys.spec for layer in cache.layers] == ["fp8", "mxfp4", "bf16", "fp8"]
     with pytest.raises(ValueError, match="assigns layer 4; the model has 4 layers"):
         CompressedCache(tiny_gemma.config, "layers[4]=fp8")
+
+
+@pytest.mark.parametrize("spec", ["bf16;layers[0]=streaming:keep=0.5", "bf16;layers[1,3]=tova:keep=0.5",
+                                  "tova:keep=0.5;layers[2]=bf16"])
+def test_layers_holding_different_counts_attend_with_their_own_mask(tiny_llama, spec):
+    """Keep policies on some layers only: the mask the model builds from layer 0's sizes is aligned
+    per layer, so a question fed at once gives the logits of feeding it token by token."""
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(1))
+    q = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for at_once in (True, False):
+        cache = CompressedCache(tiny_llama.config, spec)
+        forward(tiny_llama, ids, cache)
+        if at_once:
+            outs.append(forward(tiny_llama, q, cache, logits_to_keep=8))
+        else:
+            outs.append(torch.cat([forward(tiny_llama, q[:, i : i + 1], cache) for i in range(8)], 1))
+        assert len({layer.stored_tokens() for layer in cache.layers}) == 2
+    torch.testing.assert_close(outs[0], outs[1], atol=3e-4, rtol=0)  # new tokens: bf16-rounded once held
+
+
+def test_fit_mask_keeps_the_causal_columns_next_to_the_queries():
+    causal = torch.ones(3, 7, dtype=torch.bool).tril(4)[None, None]  # 4 held entries, 3 queries
+    short = fit_mask(causal, 5)  # a layer holding 2 entries
+    assert torch.equal(short[0, 0], torch.ones(3, 5, dtype=torch.bool).tril(2))
+    long = fit_mask(causal, 9)  # a layer holding 6
+    assert torch.equal(long[0, 0], torch.ones(3, 9, dtype=torch.bool).tril(6))
+    assert fit_mask(causal, 7) is causal and fit_mask(None, 3) is None
