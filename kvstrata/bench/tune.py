@@ -205,15 +205,21 @@ def render(assign: tuple[int, ...], ladder: tuple[str, ...]) -> str:
     return ";".join(chunks)
 
 
-def quality(ev: Evaluator, cfg: TuneConfig, spec: str, indices, keep: bool = True) -> dict:
-    """Spec and bf16 on `indices`: per-instance scores, retrieval on tasks bf16 can do, top-1."""
+def quality(ev: Evaluator, cfg: TuneConfig, spec: str, indices, keep: bool = True,
+            desc: str | None = None) -> dict:
+    """Spec and bf16 on `indices`: per-instance scores, retrieval on tasks bf16 can do, top-1
+    (`desc`: show a progress bar over the instances)."""
     specs = [spec, REFERENCE]
     scores = {s: {} for s in specs}
-    for task in cfg.tasks:
-        for i in indices:
-            for s, res in ev.run(task, i, specs, keep).items():
+    cells = [(t, i) for t in (*cfg.tasks, "fidelity") for i in indices]
+    fid = {}
+    for task, i in tqdm(cells, desc=desc, unit="instance", disable=desc is None):
+        got = ev.run(task, i, specs, keep)
+        if task == "fidelity":
+            fid[i] = got
+        else:
+            for s, res in got.items():
                 scores[s][(task, i)] = res
-    fid = {i: ev.run("fidelity", i, specs, keep) for i in indices}
     usable = [t for t in cfg.tasks if mean(scores[REFERENCE][(t, i)]["score"] for i in indices) >= USABLE]
 
     def retrieval(s):
@@ -265,7 +271,7 @@ def tune(cfg: TuneConfig, load_model=None) -> dict:
     bar.close()
     chosen = hi
     calib = tried[chosen]
-    held = quality(ev, cfg, specs[chosen], cfg.heldout, keep=False)
+    held = quality(ev, cfg, specs[chosen], cfg.heldout, keep=False, desc="tune: held-out certificate")
     cert = {
         "model": cfg.model, "length": cfg.length, "spec": specs[chosen], "ladder": list(cfg.ladder),
         "budget": {"max_drop": cfg.max_drop, "top1": cfg.top1, "bytes_per_token": cfg.bytes},

@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--top1", type=float_in(0, 1), default=0.97, help="floor on top-1 agreement")
     tu.add_argument("--bytes", type=float_in(1, 1e9), help="target stored bytes per token (checked)")
     tu.add_argument("--seed", type=SEED, default=0)
+    tu.add_argument("--haystack", default="noise", choices=("noise", "natural"))
     tu.add_argument("--out", default="runs/tune")
     tu.set_defaults(func=c.cmd_tune)
 
