@@ -57,11 +57,12 @@ def _delta_cell(d: Delta | None) -> str:
 
 def target_lines(pts: list[dict]) -> list[str]:
     """Per target: the cheapest method that meets it on its paired instances, or how far the
-    closest one is (a target is met when the paired drop's point estimate is within the slack)."""
+    closest one is (a target is met when the paired drop's point estimate is within the slack and
+    top-1, where the target has a floor, was measured and reaches it)."""
     lines = []
     for budget, slack, floor, label in budgets(pts):
         fits = [p for p in pts if p["bytes"] <= budget * 1.001 and p["delta"] is not None]
-        met = [p for p in fits if p["delta"].mean >= -slack and (p["top1"] is None or p["top1"] >= floor)]
+        met = [p for p in fits if p["delta"].mean >= -slack and (not floor or (p["top1"] or 0) >= floor)]
         if met:
             best = max(met, key=lambda p: p["compression"])
             lines.append(f"- {label} (≤ {budget:,.0f} B/token): met by `{best['method']}` "
