@@ -71,3 +71,12 @@ def test_methods_and_models_list(capsys):
         assert name in out
     assert main(["models"]) == 0
     assert "smollm2-135m" in capsys.readouterr().out
+
+
+def test_method_lists_split_between_specs_not_inside_them():
+    from kvstrata.cli.commands import _split_methods
+
+    text = ("bf16,nvfp4:rot=hadamard;layers[17-18,20]=fp8;layers[11]=int2:r=32,rot=hadamard,layers[0-3]=fp8,"
+            "int2:r=32,group=8,full=fp8;sliding=bf16")
+    tuned = "nvfp4:rot=hadamard;layers[17-18,20]=fp8;layers[11]=int2:r=32,rot=hadamard"
+    assert _split_methods(text) == ["bf16", tuned, "layers[0-3]=fp8", "int2:r=32,group=8", "full=fp8;sliding=bf16"]

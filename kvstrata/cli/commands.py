@@ -235,13 +235,17 @@ def _length(text: str, where: str) -> int:
 
 
 def _split_methods(text: str) -> list[str]:
-    """Methods are comma-separated, but a spec has commas too: split only before a method name."""
+    """Methods are comma-separated, but a spec has commas too: split only before a method name (or a
+    spec that starts with a per-layer or per-class override, `layers[...]=` / `full=` / `sliding=`)."""
+    import re
+
     from kvstrata.methods import METHODS
 
     out: list[str] = []
     for piece in text.split(","):
         name = piece.split(":")[0].split("+")[0].split(";")[0].strip().lower()
-        if out and name not in METHODS and name != "dynamic":
+        starts = name in METHODS or name == "dynamic" or re.match(r"\s*(layers\[|(full|sliding)\s*=)", piece)
+        if out and not starts:
             out[-1] += "," + piece
         else:
             out.append(piece.strip())
