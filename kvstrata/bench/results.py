@@ -154,12 +154,14 @@ class ReportInput:
     skip_bad: bool = False
 
 
-def mark_frontier(points: list[dict], cost: str, value: str) -> None:
+def mark_frontier(points: list[dict], cost: str, value: str, same: float = 1e-3) -> None:
     """Set `frontier` on each point: True when no other point costs no more and scores no less,
-    better in one of the two (points without a value are never on it)."""
+    better in one of the two (points without a value are never on it; costs within `same` of each
+    other, relatively, count as equal: 6,480 and 6,479.6 bytes per token are the same bytes)."""
     scored = [p for p in points if p[value] is not None]
     for p in points:
         p["frontier"] = p[value] is not None and not any(
-            o[cost] <= p[cost] and o[value] >= p[value] and (o[cost] < p[cost] or o[value] > p[value])
+            o[cost] <= p[cost] * (1 + same) and o[value] >= p[value]
+            and (o[cost] < p[cost] * (1 - same) or o[value] > p[value])
             for o in scored
         )

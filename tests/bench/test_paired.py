@@ -38,3 +38,9 @@ def test_frontier_marks_only_undominated_points():
            {"m": "d", "bytes": 6, "q": 0.7}, {"m": "e", "bytes": 3, "q": None}]
     mark_frontier(pts, "bytes", "q")
     assert [p["m"] for p in pts if p["frontier"]] == ["b", "c"]
+
+
+def test_frontier_treats_costs_a_rounding_apart_as_equal():
+    pts = [{"bytes": 6480.0, "q": 0.8}, {"bytes": 6479.6, "q": 0.7}]
+    mark_frontier(pts, "bytes", "q")
+    assert [p["frontier"] for p in pts] == [True, False]
