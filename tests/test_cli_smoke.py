@@ -301,3 +301,15 @@ def test_memory_bench(capsys, tmp_path):
         ("bf16", 256), ("bf16", 0), ("nvfp4", 256), ("nvfp4", 0),
     ]
     assert all(r["context_tokens"] >= 1000 and r["kv_mb"] > 0 and r["peak_rss_mb"] > 0 for r in rs)
+
+
+@pytest.mark.parametrize("model, tokens, budget", [("tiny-llama", 448, "--top1 0.9"),
+                                                   ("tiny-gemma3", 1000, "--top1 0 --max-drop 1")])
+def test_tune(capsys, tmp_path, model, tokens, budget):
+    ladder = "bf16,fp8,int2:r=8,group=8"
+    out = run(capsys, f"tune --model {model} --length {tokens} --ladder {ladder} --calib 100 --heldout 0 {budget} "
+                      f"--out {tmp_path}")
+    cert = json.loads((tmp_path / "certificate.json").read_text())
+    assert out.startswith(f"spec: {cert['spec']}\n") and "held-out (1 per task" in out
+    held = cert["heldout"]
+    assert cert["length"] == tokens and held["bytes_per_token"] < held["bf16_bytes_per_token"]
