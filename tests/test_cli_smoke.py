@@ -307,8 +307,8 @@ def test_memory_bench(capsys, tmp_path):
                                                    ("tiny-gemma3", 1000, "--top1 0 --max-drop 1")])
 def test_tune(capsys, tmp_path, model, tokens, budget):
     ladder = "bf16,fp8,int2:r=8,group=8"
-    out = run(capsys, f"tune --model {model} --length {tokens} --ladder {ladder} --calib 100 --heldout 0 {budget} "
-                      f"--out {tmp_path}")
+    out = run(capsys, f"tune --model {model} --length {tokens} --ladder {ladder} --calib 100 --heldout 0 "
+                      f"{budget} --out {tmp_path}")
     cert = json.loads((tmp_path / "certificate.json").read_text())
     assert out.startswith(f"spec: {cert['spec']}\n") and "held-out (1 per task" in out
     held = cert["heldout"]
