@@ -9,11 +9,6 @@ from kvstrata.hf.run import bf16_bytes_per_token, forward, generate
 from kvstrata.models.tiny import byte_tokenizer
 
 
-@pytest.fixture(params=["llama", "gemma3"])
-def model(request, tiny_llama, tiny_gemma):
-    return tiny_llama if request.param == "llama" else tiny_gemma
-
-
 def test_bf16_bytes_equal_hand_count(model):
     cache = CompressedCache(model.config, "bf16")
     n = 40

@@ -1,5 +1,6 @@
 """A cache with `rot=hadamard` holds the same bytes, decodes like the plain cache, and reads the
-same through the fused kernel as through the reference path and the store's records."""
+same through the fused kernel as through the reference path (with and without key smoothing) and
+the store's records."""
 
 import pytest
 import torch
@@ -7,45 +8,34 @@ from transformers import DynamicCache
 
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.reading import reading
-from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
 from kvstrata.place.records import pack_block, unpack_block
 
 
-def run(model, cache, ids, prefill=40):
-    out = [forward(model, ids[:, :prefill], cache, logits_to_keep=prefill)]
-    out += [forward(model, ids[:, i : i + 1], cache) for i in range(prefill, ids.shape[1])]
-    return torch.cat(out, 1)
-
-
-@pytest.fixture(params=["llama", "gemma3"])
-def model(request, tiny_llama, tiny_gemma):
-    return tiny_llama if request.param == "llama" else tiny_gemma
-
-
-def test_rotated_bf16_tracks_dense_and_keeps_the_bytes(model):
+def test_rotated_bf16_tracks_dense_and_keeps_the_bytes(model, decode_logits):
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
-    ref = run(model, DynamicCache(config=model.config), ids)
+    ref = decode_logits(model, DynamicCache(config=model.config), ids)
     plain = CompressedCache(model.config, "nvfp4")
     rotated = CompressedCache(model.config, "bf16:rot=hadamard")
-    got = run(model, rotated, ids)
+    got = decode_logits(model, rotated, ids)
     assert (got[:, 40:] - ref[:, 40:]).abs().mean() < 0.01
-    run(model, plain, ids)
+    decode_logits(model, plain, ids)
     nvfp4_rot = CompressedCache(model.config, "nvfp4:rot=hadamard")
-    run(model, nvfp4_rot, ids)
+    decode_logits(model, nvfp4_rot, ids)
     assert nvfp4_rot.nbytes()["total"] == plain.nbytes()["total"]
 
 
-@pytest.mark.parametrize("spec", ["nvfp4:rot=hadamard", "int4:r=8,rot=hadamard",
-                                  "fp8:rot=hadamard+topk:k=16"])
-def test_fused_reads_equal_the_reference_path(model, spec):
+@pytest.mark.parametrize("spec", ["nvfp4:rot=hadamard", "int4:r=8,rot=hadamard", "fp8:rot=hadamard+topk:k=16",
+                                  # key smoothing goes through the same query / output transforms
+                                  "nvfp4:smooth=0.5", "int4:r=8,smooth=0.5,rot=hadamard", "fp8:smooth=1"])
+def test_fused_reads_equal_the_reference_path(model, decode_logits, spec):
     ids = torch.randint(0, 256, (1, 56), generator=torch.Generator().manual_seed(3))
 
     outs = []
     for fused in (True, False):
         cache = CompressedCache(model.config, spec, fused=fused)
         with reading(model, cache, parse_method(spec)):
-            outs.append(run(model, cache, ids))
+            outs.append(decode_logits(model, cache, ids))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=0)
 
 
