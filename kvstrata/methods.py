@@ -175,18 +175,24 @@ _CLASS = re.compile(r"(full|sliding)\s*=(.*)", re.S | re.I)
 MAX_LAYER = 4096  # beyond any model's depth: an index above it is a typo
 
 
-def parse_layers(text: str) -> frozenset[int]:
-    """`"0-3,7"` -> {0, 1, 2, 3, 7}; raises ValueError naming the bad item."""
-    out: set[int] = set()
+def parse_ranges(text: str, where: str, what: str, top: int) -> tuple[int, ...]:
+    """`"0-3,7"` -> (0, 1, 2, 3, 7), in order, each once; raises ValueError naming `where` and the
+    bad item (`what`: "a layer index"; `top`: the largest index allowed)."""
+    out: list[int] = []
     for item in (p.strip() for p in text.split(",")):
         lo, dash, hi = item.partition("-")
         if not lo.strip().isdigit() or (dash and not hi.strip().isdigit()):
-            raise ValueError(f"layers[{text}]: {item!r} is not a layer index or an i-j range")
+            raise ValueError(f"{where}: {item!r} is not {what} or an i-j range")
         a, b = int(lo), int(hi) if dash else int(lo)
-        if a > b or b > MAX_LAYER:
-            raise ValueError(f"layers[{text}]: range {item!r} is empty or beyond layer {MAX_LAYER}")
-        out.update(range(a, b + 1))
-    return frozenset(out)
+        if a > b or b > top:
+            raise ValueError(f"{where}: range {item!r} is empty or beyond {top}")
+        out += range(a, b + 1)
+    return tuple(dict.fromkeys(out))
+
+
+def parse_layers(text: str) -> frozenset[int]:
+    """`"0-3,7"` -> {0, 1, 2, 3, 7}; raises ValueError naming the bad item."""
+    return frozenset(parse_ranges(text, f"layers[{text}]", "a layer index", MAX_LAYER))
 
 
 def _check_override(recipe: StoreRecipe, chunk: str) -> StoreRecipe:

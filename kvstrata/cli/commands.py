@@ -214,13 +214,9 @@ def _num(x) -> str:
 
 def _indices(text: str, flag: str) -> tuple[int, ...]:
     """`100-103,110` -> (100, 101, 102, 103, 110), or a clear error naming the flag."""
-    out: list[int] = []
-    for item in (p.strip() for p in text.split(",")):
-        lo, dash, hi = item.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
-            raise ValueError(f"{flag}: {item!r} is not an instance index or an i-j range")
-        out += range(int(lo), int(hi if dash else lo) + 1)
-    return tuple(dict.fromkeys(out))
+    from kvstrata.methods import parse_ranges
+
+    return parse_ranges(text, flag, "an instance index", 10**6)
 
 
 def _length(text: str, where: str) -> int:
