@@ -193,7 +193,8 @@ def fit_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
 
 def _kvstrata_attention(module, query, key, value, attention_mask, **kwargs):
     view = take(module.layer_idx)
-    attention_mask = fit_mask(attention_mask, key.shape[-2] + (view.tokens if view is not None else 0))
+    if attention_mask is not None:  # decode steps without padding pass none: nothing to align
+        attention_mask = fit_mask(attention_mask, key.shape[-2] + (view.tokens if view is not None else 0))
     if view is None:
         out = delegate(module, query, key, value, attention_mask, **kwargs)
         score_keep(module, query, key, value, attention_mask, **kwargs)
