@@ -57,6 +57,7 @@ class StoreRecipe:
     rot: str = "none"  # "hadamard": K and V rotated along head_dim before encoding
     rot_seed: int = 0
     smooth: float = 0.0  # > 0: keys divided per channel by (prefill absmax)^smooth, the query multiplied
+    outliers: int = 0  # > 0: that many key channels per KV head kept apart in bf16 (codecs.outliers)
 
     def rotation(self, head_dim: int) -> torch.Tensor | None:
         """The rotation applied before encoding (`[head_dim, head_dim]`), or None."""
@@ -110,6 +111,9 @@ def _parse_component(text: str):
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     rot, seed = params.pop("rot", "none"), params.pop("rotseed", "0")
     smooth = params.pop("smooth", "0")
+    outliers = params.pop("outliers", "0")
+    if not outliers.isdigit() or int(outliers) > 256:
+        raise ValueError(f"{name}: parameter outliers must be an integer in [0, 256], got {outliers!r}")
     if rot not in ("none", "hadamard"):
         raise ValueError(f"{name}: parameter rot must be 'none' or 'hadamard', got {rot!r}")
     if not seed.isdigit() or int(seed) >= 1 << 31:
@@ -132,7 +136,10 @@ def _parse_component(text: str):
     codec = cls(**coerce_params(cls, params, f"method {name}"))
     if keys == "channel" and not hasattr(codec, "group"):
         raise ValueError(f"{name}: keys=channel needs a grouped integer codec")
-    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f)
+    if keys == "channel" and int(outliers):
+        raise ValueError(f"{name}: outliers needs keys=token (keys grouped per channel already scale each "
+                         "channel apart)")
+    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f, outliers=int(outliers))
 
 
 def _parse_recipe(text: str) -> StoreRecipe:
@@ -152,8 +159,9 @@ def _parse_recipe(text: str) -> StoreRecipe:
     store = stores[0] if stores else StoreRecipe()
     if depths and store.rot != "none":
         raise ValueError(f"{text!r}: a rotation does not combine with depth sharing")
-    if (depths or reads) and store.smooth:
-        raise ValueError(f"{text!r}: key smoothing does not combine with depth sharing or top-k reads")
+    for what, on in (("key smoothing", store.smooth), ("outlier channels", store.outliers)):
+        if (depths or reads) and on:
+            raise ValueError(f"{text!r}: {what} does not combine with depth sharing or top-k reads")
     if depths and store.key_axis == "channel":
         store = replace(store, key_axis="token")  # depth blocks group tokens themselves
     return replace(

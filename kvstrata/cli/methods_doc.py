@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from kvstrata.hf.segments import encode_segment
+from kvstrata.hf.segments import probe_segment
 from kvstrata.methods import METHODS, parse_method
 
 # SmolLM2-135M: 30 layers, 3 KV heads x 64 dims, every layer full attention
@@ -62,8 +62,7 @@ def bytes_per_token(spec: str) -> float:
     """SmolLM2-135M bytes per token with `spec`'s codec (no full-precision residual), measured by
     encoding 256 tokens of every KV head."""
     recipe = parse_method(spec).full
-    z = torch.zeros(1, KV_HEADS, 256, HEAD_DIM)
-    seg = encode_segment(recipe, z, z)
+    seg = probe_segment(recipe, KV_HEADS, HEAD_DIM)
     held = sum(t.numel() * t.element_size() for t in seg.parts())
     return held / 256 * LAYERS
 

@@ -55,6 +55,12 @@ class CompressedCache(Cache):
             top = self.method.max_layer()
             raise ValueError(f"method {self.method.text!r} assigns layer {top}; the model has "
                              f"{len(classes)} layers (0-{len(classes) - 1})")
+        head_dim = getattr(self.text_config, "head_dim", None) or (
+            self.text_config.hidden_size // self.text_config.num_attention_heads)
+        wide = max(r.outliers for r in self.method.recipes())
+        if wide >= head_dim:
+            raise ValueError(f"method {self.method.text!r} keeps {wide} outlier channels; the model's "
+                             f"head_dim is {head_dim}")
         layers: list[CacheLayerMixin] = []
         for i, (cls, window) in enumerate(classes):
             recipe = self.method.recipe(cls, i)

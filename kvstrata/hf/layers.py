@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvstrata.codecs.outliers import outlier_channels
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf.segments import (
     APPEND_ROWS,
@@ -19,6 +20,7 @@ from kvstrata.hf.segments import (
     decode_segment,
     drop_front,
     encode_segment,
+    probe_segment,
     shrink,
 )
 from kvstrata.methods import StoreRecipe
@@ -57,6 +59,8 @@ class CompressedLayer(CacheLayerMixin):
         self.pending_keep = False
         # key smoothing: per-channel divisors `[batch, kv_heads, 1, head_dim]`, set by the first flush
         self.key_scale: torch.Tensor | None = None
+        # outlier key channels kept apart `[batch, kv_heads, c]` (after smoothing), set by the first flush
+        self.outlier_idx: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -68,7 +72,7 @@ class CompressedLayer(CacheLayerMixin):
         """Everything held, decoded: `[batch, kv_heads, stored_tokens, head_dim]` K and V."""
         ks, vs = [], []
         for seg in self.segments:
-            k, v = decode_segment(self.recipe, seg, self.dtype)
+            k, v = decode_segment(self.recipe, seg, self.dtype, self.outlier_idx)
             ks.append(k if self.key_scale is None else (k * self.key_scale).to(self.dtype))
             vs.append(v)
         return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
@@ -78,7 +82,8 @@ class CompressedLayer(CacheLayerMixin):
         runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
         rotation = self.recipe.rotation(self.keys.shape[-1])
         channel = self.recipe.key_axis == "channel"
-        return EncodedView(self.recipe.codec, channel, runs, self.generation, rotation, self.key_scale)
+        return EncodedView(self.recipe.codec, channel, runs, self.generation, rotation, self.key_scale,
+                           self.outlier_idx)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
@@ -167,11 +172,13 @@ class CompressedLayer(CacheLayerMixin):
             if self.key_scale is None:  # the first flush holds the prefill: it sets the divisors
                 self.key_scale = smoothing_scale(k, self.recipe.smooth)
             k = k / self.key_scale
-        if not (self.segments and append(self.recipe, self.segments[-1], k, v)):
+        if self.recipe.outliers and self.outlier_idx is None:
+            self.outlier_idx = outlier_channels(k, self.recipe.outliers)
+        if not (self.segments and append(self.recipe, self.segments[-1], k, v, self.outlier_idx)):
             # the first segment (the prefill) is exact; later small flushes reserve rows to append to
             rows = max(APPEND_ROWS, 4 * group)
             reserve = rows - n if self.segments and n < rows else 0
-            self.segments.append(encode_segment(self.recipe, k, v, reserve))
+            self.segments.append(encode_segment(self.recipe, k, v, reserve, self.outlier_idx))
         self.keys = self.keys[..., n:, :].clone()
         self.values = self.values[..., n:, :].clone()
 
@@ -184,8 +191,7 @@ class CompressedLayer(CacheLayerMixin):
     def row_bytes(self, tokens: int = 256) -> tuple[float, float]:
         """Bytes one token's K row and V row take per KV head once encoded (averaged over a chunk)."""
         d = self.keys.shape[-1] if self.is_initialized else 0
-        z = torch.zeros(1, 1, tokens, d)
-        seg = encode_segment(self.recipe, z, z)
+        seg = probe_segment(self.recipe, 1, d, tokens)
         return held_bytes(seg.keys.parts.values()) / tokens, held_bytes(seg.values.parts.values()) / tokens
 
     def nbytes(self) -> int:
@@ -193,7 +199,7 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
-        tensors += [self.key_scale] if self.key_scale is not None else []
+        tensors += [t for t in (self.key_scale, self.outlier_idx) if t is not None]
         return held_bytes(tensors)
 
     def shrink(self) -> None:
@@ -237,7 +243,7 @@ class CompressedLayer(CacheLayerMixin):
         self.is_initialized = False
         self.cumulative_length = 0
         self.pending_keep = False
-        self.key_scale = None
+        self.key_scale = self.outlier_idx = None
         self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -253,6 +259,8 @@ class CompressedLayer(CacheLayerMixin):
             seg.buffers = {}  # the parts are new tensors now: nothing to append into
         if self.key_scale is not None:
             self.key_scale = fn(self.key_scale)
+        if self.outlier_idx is not None:
+            self.outlier_idx = fn(self.outlier_idx)
         if self.is_initialized:
             self.keys, self.values = fn(self.keys), fn(self.values)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.codecs import QTensor
+from kvstrata.codecs.outliers import merge_outliers, split_outliers
 from kvstrata.codecs.rotation import rotate, unrotate
 from kvstrata.methods import StoreRecipe
 
@@ -54,25 +55,46 @@ def _axes(recipe: StoreRecipe) -> tuple[int, int]:
     return (3 if recipe.key_axis == "channel" else 2), 2
 
 
-def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor,
-                   reserve: int = 0) -> Segment:
-    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
-    `reserve` spare tokens are allocated for later `append`s."""
-    codec = recipe.codec
+def _prepare(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor, outliers: torch.Tensor | None):
+    """What the codec encodes: K (outlier channels split off, then rotated; transposed when keys are
+    grouped per channel) and V (rotated), plus the kept channels `[b, h, n, c]` or None."""
+    kept = None
+    if outliers is not None:
+        keys, kept = split_outliers(keys, outliers)
     r = recipe.rotation(keys.shape[-1])
     keys, values = rotate(keys, r), rotate(values, r)
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
+    return kt, values, kept
+
+
+def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor,
+                   reserve: int = 0, outliers: torch.Tensor | None = None) -> Segment:
+    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
+    `reserve` spare tokens are allocated for later `append`s; `outliers: [b, h, c]` key channels are
+    kept apart in bf16 (the keys' `outliers` part)."""
+    codec = recipe.codec
+    kt, values, kept = _prepare(recipe, keys, values, outliers)
     if reserve and hasattr(codec, "fits"):
         seg = Segment(*(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)) for x in (kt, values)),
                       keys.shape[-2])
     else:
         seg = Segment(codec.encode(kt), codec.encode(values), keys.shape[-2])
+    if kept is not None:
+        seg.keys.parts["outliers"] = kept
     if reserve:
         _reserve(recipe, seg, reserve)
     return seg
 
 
-def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.Tensor) -> bool:
+def probe_segment(recipe: StoreRecipe, kv_heads: int, head_dim: int, tokens: int = 256) -> Segment:
+    """`tokens` zero tokens encoded with `recipe` (outlier channels included), for counting bytes."""
+    z = torch.zeros(1, kv_heads, tokens, head_dim)
+    idx = torch.arange(recipe.outliers).expand(1, kv_heads, -1) if recipe.outliers else None
+    return encode_segment(recipe, z, z, outliers=idx)
+
+
+def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.Tensor,
+           outliers: torch.Tensor | None = None) -> bool:
     """Encode `keys, values: [b, h, n, d]` into `seg`'s spare rows; False (nothing written) when
     there is no room or the rows cannot share the segment's scales (NVFP4's tensor scale)."""
     n = keys.shape[-2]
@@ -84,9 +106,7 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
     if seg.length + n > kcap or seg.length % group:
         return False
     codec = recipe.codec
-    r = recipe.rotation(keys.shape[-1])
-    keys, values = rotate(keys, r), rotate(values, r)
-    kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
+    kt, values, kept = _prepare(recipe, keys, values, outliers)
     scales = [q.parts.get("tensor_scale") for q in (seg.keys, seg.values)]
     new = []
     for x, held in zip((kt, values), scales):
@@ -96,6 +116,8 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
             return False
         else:
             new.append(codec.encode(x, held))
+    if kept is not None:
+        new[0].parts["outliers"] = kept
     start = seg.length
     for name, q, ax, unit in (("keys", new[0], kax, group if kax == 3 else 1), ("values", new[1], vax, 1)):
         for part, t in q.parts.items():
@@ -151,9 +173,10 @@ def _views(recipe: StoreRecipe, seg: Segment) -> None:
 
 
 def decode_segment(
-    recipe: StoreRecipe, seg: Segment, dtype: torch.dtype
+    recipe: StoreRecipe, seg: Segment, dtype: torch.dtype, outliers: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V."""
+    """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V
+    (`outliers`: the channels the keys' `outliers` part holds)."""
     codec = recipe.codec
     k = codec.decode(seg.keys).to(dtype)
     if recipe.key_axis == "channel":
@@ -161,6 +184,8 @@ def decode_segment(
     v = codec.decode(seg.values).to(dtype)
     r = recipe.rotation(k.shape[-1])
     k, v = unrotate(k, r), unrotate(v, r)
+    if outliers is not None:
+        k = merge_outliers(k, seg.keys.parts["outliers"], outliers)
     return k[..., seg.skip :, :], v[..., seg.skip :, :]
 
 

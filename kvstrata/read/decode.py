@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvstrata.codecs import QTensor
+from kvstrata.codecs.outliers import merge_outliers, score_bias, split_outliers, zero_channels
 from kvstrata.codecs.rotation import rotate, unrotate
 from kvstrata.read.kernels import cpu
 
@@ -39,6 +40,7 @@ class EncodedView:
     generation: int = 0
     rotation: torch.Tensor | None = None  # the codes hold K @ R and V @ R (`kvstrata.codecs.rotation`)
     key_scale: torch.Tensor | None = None  # `[b, h, 1, d]`: the codes hold K / key_scale (smoothing)
+    outliers: torch.Tensor | None = None  # `[b, h, c]`: key channels held apart (keys' `outliers` part)
 
     @property
     def tokens(self) -> int:
@@ -51,7 +53,7 @@ class EncodedView:
             kd = self.codec.decode(k).to(dtype)
             if self.key_channel:
                 kd = kd.transpose(-1, -2)
-            ks.append(self._unscale(unrotate(kd[..., skip:, :], self.rotation)))
+            ks.append(self._finish(kd[..., skip:, :], self._kept(k, skip)))
             vs.append(unrotate(self.codec.decode(v).to(dtype)[..., skip:, :], self.rotation))
         return ks, vs
 
@@ -59,7 +61,7 @@ class EncodedView:
     def key_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Visible key positions [start, stop) decoded, `[b, h, stop - start, d]`; only those rows
         are decoded (whole runs when keys are grouped per channel)."""
-        out, offset = [], 0
+        out, kept, offset = [], [], 0
         for k, _, skip in self.runs:
             n = (k.shape[-1] if self.key_channel else k.shape[-2]) - skip
             lo, hi = max(start, offset), min(stop, offset + n)
@@ -68,11 +70,24 @@ class EncodedView:
                 if self.key_channel:
                     out.append(self.codec.decode(k).to(dtype).transpose(-1, -2)[..., a:b, :])
                 else:
-                    out.append(self.codec.decode(token_rows(k, a, b)).to(dtype))
+                    rows = token_rows(k, a, b)
+                    out.append(self.codec.decode(rows).to(dtype))
+                    kept.append(rows.parts.get("outliers"))
             offset += n
-        return self._unscale(unrotate(torch.cat(out, -2), self.rotation))
+        return self._finish(torch.cat(out, -2), torch.cat(kept, -2) if self.outliers is not None else None)
 
-    def _unscale(self, k: torch.Tensor) -> torch.Tensor:
+    def kept(self) -> torch.Tensor:
+        """The outlier channels of every visible token, `[b, h, tokens, c]`."""
+        return torch.cat([self._kept(k, skip) for k, _, skip in self.runs], -2)
+
+    def _kept(self, k: QTensor, skip: int) -> torch.Tensor | None:
+        return None if self.outliers is None else k.parts["outliers"][:, :, skip:]
+
+    def _finish(self, k: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """Decoded codes -> keys: rotated back, outlier channels put back, smoothing undone."""
+        k = unrotate(k, self.rotation)
+        if kept is not None:
+            k = merge_outliers(k, kept, self.outliers)
         return k if self.key_scale is None else k * self.key_scale.to(k.dtype)
 
 
@@ -141,13 +156,15 @@ def triton_runs(view: EncodedView) -> list[tuple]:
 
 def reference_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-    softcap: float | None = None,
+    softcap: float | None = None, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`query: [b, hq, 1, d]` over `keys, values: [b, hk, n, d]` (GQA) -> `[b, hq, d]` float32."""
+    """`query: [b, hq, 1, d]` over `keys, values: [b, hk, n, d]` (GQA) -> `[b, hq, d]` float32;
+    `bias: [b, hq, n]` is added to the scores before scaling."""
     groups = query.shape[1] // keys.shape[1]
     k = keys.float().repeat_interleave(groups, 1)
     v = values.float().repeat_interleave(groups, 1)
-    scores = (query.float() @ k.transpose(-1, -2)) * scaling
+    scores = query.float() @ k.transpose(-1, -2)
+    scores = (scores if bias is None else scores + bias[:, :, None].float()) * scaling
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     return (torch.softmax(scores, -1) @ v)[:, :, 0]
@@ -156,21 +173,29 @@ def reference_attention(
 def decode_attention(
     query: torch.Tensor, view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
     softcap: float | None = None, idx: torch.Tensor | None = None, fused: bool = True,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
-    `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those. -> `[b, hq, d]`."""
+    `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those; `bias: [b, hq, n]`
+    (n: every visible token) is added to the scores before scaling. -> `[b, hq, d]`."""
     if view.key_scale is not None:  # the codes hold K / s: attend with q * s (q.k unchanged)
         s = view.key_scale.float()
         sq = s.repeat_interleave(query.shape[1] // s.shape[1], 1)
         return decode_attention(query.float() * sq, replace(view, key_scale=None), tail_k.float() / s, tail_v,
-                                scaling, softcap, idx, fused)
+                                scaling, softcap, idx, fused, bias)
+    if view.outliers is not None:  # q.k = q_rest . codes + q_out . k_out (the kept channels, a bias)
+        c = view.outliers
+        kept = torch.cat([view.kept(), split_outliers(tail_k, c)[1]], -2)
+        extra = score_bias(query, c, kept)
+        return decode_attention(zero_channels(query, c), replace(view, outliers=None), tail_k, tail_v, scaling,
+                                softcap, idx, fused, extra if bias is None else bias + extra)
     if view.rotation is not None:  # attend in the rotated space the codes are in, then rotate back
         r = view.rotation
         out = decode_attention(rotate(query, r), replace(view, rotation=None), rotate(tail_k, r),
-                               rotate(tail_v, r), scaling, softcap, idx, fused)
+                               rotate(tail_v, r), scaling, softcap, idx, fused, bias)
         return unrotate(out, r)
     fused = fused and view.codec.name in _KINDS  # a codec the kernels do not know: reference path
-    if fused and query.device.type == "cuda":
+    if fused and query.device.type == "cuda" and bias is None:  # the Triton kernels take no bias yet
         from kvstrata.read.kernels import triton_decode  # optional dependency: GPUs only
 
         return triton_decode.attend(query, triton_runs(view), tail_k, tail_v, scaling, softcap, idx)
@@ -180,11 +205,14 @@ def decode_attention(
         kp, km, kt, vp, vm, vt = kernel_args(view, tail_k, tail_v)
         empty = torch.empty(0, dtype=torch.int64)
         return module.decode_attention(
-            q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0), empty if idx is None else idx
+            q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0), empty if idx is None else idx,
+            torch.empty(0) if bias is None else bias.float(),
         )
     ks, vs = view.dense()
     keys, values = torch.cat(ks + [tail_k.float()], -2), torch.cat(vs + [tail_v.float()], -2)
     if idx is not None:
         gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
         keys, values = keys.gather(2, gather), values.gather(2, gather)
-    return reference_attention(query, keys, values, scaling, softcap)
+        if bias is not None:
+            bias = bias.gather(-1, idx.repeat_interleave(query.shape[1] // idx.shape[1], 1))
+    return reference_attention(query, keys, values, scaling, softcap, bias)

@@ -1,6 +1,6 @@
 """A cache with `rot=hadamard` holds the same bytes, decodes like the plain cache, and reads the
-same through the fused kernel as through the reference path (with and without key smoothing) and
-the store's records."""
+same through the fused kernel as through the reference path (with and without key smoothing and
+outlier channels) and the store's records."""
 
 import pytest
 import torch
@@ -27,7 +27,10 @@ def test_rotated_bf16_tracks_dense_and_keeps_the_bytes(model, decode_logits):
 
 @pytest.mark.parametrize("spec", ["nvfp4:rot=hadamard", "int4:r=8,rot=hadamard", "fp8:rot=hadamard+topk:k=16",
                                   # key smoothing goes through the same query / output transforms
-                                  "nvfp4:smooth=0.5", "int4:r=8,smooth=0.5,rot=hadamard", "fp8:smooth=1"])
+                                  "nvfp4:smooth=0.5", "int4:r=8,smooth=0.5,rot=hadamard", "fp8:smooth=1",
+                                  # outlier channels: a score bias beside the codes
+                                  "nvfp4:outliers=2", "int4:r=8,keys=token,outliers=3,smooth=0.5,rot=hadamard",
+                                  "fp8:outliers=4+tova:keep=0.75"])
 def test_fused_reads_equal_the_reference_path(model, decode_logits, spec):
     ids = torch.randint(0, 256, (1, 56), generator=torch.Generator().manual_seed(3))
 

@@ -33,18 +33,20 @@ def test_smoothed_bf16_tracks_dense_and_counts_its_divisors(model, decode_logits
     assert cache.nbytes()["total"] == plain.nbytes()["total"] + extra
 
 
-def test_an_outlier_channel_no_longer_sets_every_tokens_scale():
+@pytest.mark.parametrize("spec", ["nvfp4:smooth=0.5", "nvfp4:outliers=1", "int4:keys=token,r=0,outliers=1"])
+def test_an_outlier_channel_no_longer_sets_every_tokens_scale(spec):
     torch.manual_seed(0)
     k = torch.randn(1, 1, 64, 32)
     k[..., 3] *= 40  # one outlier channel, as Llama-style keys have
     q = torch.randn(1, 1, 1, 32)
     errors = {}
-    for spec in ("nvfp4", "nvfp4:smooth=0.5"):
-        layer = CompressedLayer(parse_method(spec).full)
+    plain = spec.split(":")[0] + (":keys=token,r=0" if spec.startswith("int4") else "")
+    for s in (plain, spec):
+        layer = CompressedLayer(parse_method(s).full)
         layer.update(k, k)
         dk, _ = layer.dense()
-        errors[spec] = ((q @ dk.transpose(-1, -2)) - (q @ k.transpose(-1, -2))).abs().mean().item()
-    assert errors["nvfp4:smooth=0.5"] < 0.5 * errors["nvfp4"]
+        errors[s] = ((q @ dk.transpose(-1, -2)) - (q @ k.transpose(-1, -2))).abs().mean().item()
+    assert errors[spec] < 0.5 * errors[plain]
 
 
 @pytest.mark.parametrize("spec, message", [

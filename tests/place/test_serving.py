@@ -154,3 +154,12 @@ def test_full_attention_model_warm_turn_is_a_hit(tiny_llama, tmp_path):
     warm = s.serve(IDS)  # no sliding layers: no SWA state to lose, nothing to replay
     assert warm.kind == "hit" and warm.reused_tokens == 64 and warm.computed_tokens == 6
     torch.testing.assert_close(warm.logits, cold.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spec", ["nvfp4;layers[0]=fp8", "nvfp4:smooth=0.5", "nvfp4:outliers=2",
+                                  "streaming:keep=0.5+nvfp4"])
+def test_specs_the_store_cannot_encode_from_its_blocks_are_refused(tiny_gemma, tmp_path, spec):
+    store = make_store(tmp_path)
+    with pytest.raises(ValueError, match="not supported there|keep policies do not apply"):
+        PrefixServer(tiny_gemma, store, spec, block_size=8)
+    assert not [p for p in (tmp_path / "g").rglob("*") if not p.name.startswith(".kvstrata")]  # nothing written

@@ -322,9 +322,11 @@ inline void accumulate(const float* p, const float* vbuf, int n, int d, int dp, 
   }
 }
 
+// bias (or null): [G, total] scores added before scaling at each token's logical position (`starts`:
+// where each run's visible tokens begin)
 void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Tile* tiles, int ntiles,
                   const int64_t* rows, const float* q, int G, int d, int dp, int64_t b, int64_t h, float scaling,
-                  float softcap, Partial& out) {
+                  float softcap, const float* bias, const int64_t* starts, int64_t total, Partial& out) {
   std::vector<float> kbuf(TILE * dp), vbuf(TILE * dp), s(G * TILE);
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.f);
@@ -352,6 +354,13 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
       for (int i = 0; i < n; i++)
         decode_row(kr, b, h, rows ? rows[ti * TILE + i] : tile.row + i, d, kbuf.data() + (int64_t)i * dp);
       for (int g = 0; g < G; g++) dots(q + g * d, kbuf.data(), n, d, dp, s.data() + g * TILE);
+    }
+    if (bias) {
+      const int64_t base = starts[tile.seg] - kr.skip;  // logical position of row 0 of this run
+      for (int i = 0; i < n; i++) {
+        const int64_t pos = base + (rows ? rows[ti * TILE + i] : tile.row + i);
+        for (int g = 0; g < G; g++) s[g * TILE + i] += bias[g * total + pos];
+      }
     }
     // online softmax
     for (int g = 0; g < G; g++) {
@@ -406,10 +415,11 @@ std::vector<Tile> dense_tiles(const std::vector<Run>& K) {
 // q: [B, Hq, d] float32; parts: 3 tensors per run (codes, scales, mins; undefined/empty when unused);
 // meta: int64 [runs, 5] (kind, channel, length, skip, block); tscale: float32 [runs]; K and V runs
 // pair up (same tokens). idx: int64 [B, Hk, m] logical positions over the visible tokens of the runs
-// in order (sorted), or empty for every token. Returns [B, Hq, d] float32.
+// in order (sorted), or empty for every token. bias: float32 [B, Hq, visible tokens] added to the
+// scores before scaling (outlier key channels kept apart), or empty. Returns [B, Hq, d] float32.
 torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kparts, torch::Tensor kmeta, torch::Tensor kts,
                                std::vector<torch::Tensor> vparts, torch::Tensor vmeta, torch::Tensor vts, double scaling,
-                               double softcap, torch::Tensor idx) {
+                               double softcap, torch::Tensor idx, torch::Tensor bias) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be contiguous float32 [B, Hq, d]");
   const int64_t B = q.size(0), Hq = q.size(1);
   const int d = (int)q.size(2);
@@ -438,6 +448,10 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kpart
     starts.push_back(total);
     total += r.visible();
   }
+  const bool biased = bias.defined() && bias.numel() > 0;
+  auto biasc = biased ? bias.to(torch::kFloat32).contiguous() : bias;
+  TORCH_CHECK(!biased || (biasc.dim() == 3 && biasc.size(0) == B && biasc.size(1) == Hq && biasc.size(2) == total),
+              "bias must be float32 [B, Hq, visible tokens]");
   std::vector<Tile> all = sparse ? std::vector<Tile>() : dense_tiles(K);
   const int64_t m = sparse ? idx.size(2) : 0;
   const int64_t units = sparse ? (m + TILE - 1) / TILE : (int64_t)all.size();
@@ -452,9 +466,10 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kpart
       const int64_t sp = w % splits, bh = w / splits, b = bh / Hk, h = bh % Hk;
       const int64_t u0 = units * sp / splits, u1 = units * (sp + 1) / splits;
       const float* qg = qp + (b * Hq + h * G) * d;
+      const float* bg = biased ? biasc.data_ptr<float>() + (b * Hq + h * G) * total : nullptr;
       if (!sparse) {
         attend_tiles(K, V, all.data() + u0, (int)(u1 - u0), nullptr, qg, G, d, dp, b, h, (float)scaling,
-                     (float)softcap, parts[w]);
+                     (float)softcap, bg, starts.data(), total, parts[w]);
         continue;
       }
       // sparse: map each listed position to (run, row), in tiles of one run each
@@ -479,7 +494,7 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kpart
         t.n++;
       }
       attend_tiles(K, V, tiles.data(), (int)tiles.size(), rows.data(), qg, G, d, dp, b, h, (float)scaling,
-                   (float)softcap, parts[w]);
+                   (float)softcap, bg, starts.data(), total, parts[w]);
     }
   });
   auto out = torch::zeros({B, Hq, d}, q.options());

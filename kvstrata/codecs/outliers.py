@@ -1,0 +1,61 @@
+"""Outlier key channels kept apart (the dense-and-sparse split of KVQuant and LLM.int8()).
+
+A few key channels per head carry magnitudes far above the rest, so in a per-token block they set
+the scale every other channel is quantized with. Per layer and KV head, the `c` channels with the
+largest prefill key magnitude are stored in bf16 beside the codes, and the codes hold the keys with
+those channels zeroed. Attention then splits `q.k = q_rest . k_codes + q_out . k_out`: the codes are
+read with the outlier channels of the query zeroed, and the second term is a score bias computed
+from the bf16 channels. Values are not split (their channels carry no such outliers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the dtype the kept channels are stored in
+OUTLIER_DTYPE = torch.bfloat16
+
+
+def outlier_channels(keys: torch.Tensor, count: int) -> torch.Tensor:
+    """`keys: [b, h, n, d]` -> `[b, h, count]` int64: the channels of largest magnitude over the
+    tokens, in ascending channel order."""
+    if not 0 < count < keys.shape[-1]:
+        raise ValueError(f"outliers={count} must be between 1 and head_dim - 1 ({keys.shape[-1] - 1})")
+    top = keys.float().abs().amax(-2).topk(count, -1).indices
+    return top.sort(-1).values
+
+
+def _expand(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`idx: [b, h, c]` broadcast over the token axis of `like: [b, h, n, d]` -> `[b, h, n, c]`."""
+    return idx[..., None, :].expand(*like.shape[:-1], idx.shape[-1])
+
+
+def split_outliers(keys: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keys: [b, h, n, d]` -> (keys with the `idx` channels zeroed, those channels `[b, h, n, c]`
+    in OUTLIER_DTYPE)."""
+    where = _expand(idx, keys)
+    return keys.scatter(-1, where, 0.0), keys.gather(-1, where).to(OUTLIER_DTYPE)
+
+
+def merge_outliers(keys: torch.Tensor, kept: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Inverse of `split_outliers`: the kept channels `[b, h, n, c]` written back into `keys`."""
+    return keys.scatter(-1, _expand(idx, keys), kept.to(keys.dtype))
+
+
+def query_heads(idx: torch.Tensor, query_heads: int) -> torch.Tensor:
+    """`idx: [b, hk, c]` repeated for the query heads of each KV group -> `[b, hq, c]`."""
+    return idx.repeat_interleave(query_heads // idx.shape[1], 1)
+
+
+def zero_channels(query: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`query: [b, hq, t, d]` with the outlier channels of its KV group zeroed."""
+    return query.scatter(-1, _expand(query_heads(idx, query.shape[1]), query), 0.0)
+
+
+def score_bias(query: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """`q_out . k_out` for every token: `query: [b, hq, 1, d]`, `kept: [b, hk, n, c]` -> `[b, hq, n]`
+    float32 (added to the scores before scaling)."""
+    hq = query.shape[1]
+    q_out = query.float().gather(-1, _expand(query_heads(idx, hq), query))  # [b, hq, 1, c]
+    k_out = kept.float().repeat_interleave(hq // kept.shape[1], 1)  # [b, hq, n, c]
+    return (q_out @ k_out.transpose(-1, -2))[:, :, 0]
