@@ -11,7 +11,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvstrata.bench.rows import read_rows
-from kvstrata.bench.tasks import FIDELITY, REASONING, RETRIEVAL
+from kvstrata.bench.tasks import FIDELITY, LOOKALIKE, REASONING, RETRIEVAL
 
 FAMILY_COLOURS = {
     "reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
@@ -47,7 +47,7 @@ def summarise(rows: list[dict]) -> dict:
         groups[(r["model"], r["length"])].append(r)
     out = {}
     for key, rs in sorted(groups.items()):
-        tasks = sorted({r["task"] for r in rs}, key=lambda t: (RETRIEVAL + REASONING + FIDELITY).index(t))
+        tasks = sorted({r["task"] for r in rs}, key=lambda t: (RETRIEVAL + LOOKALIKE + REASONING + FIDELITY).index(t))
         ref = [r for r in rs if r["method"] == "bf16"]
         rs = rs + reference_subsets(rs, ref)
         usable = {t: (avg([r["score"] for r in ref if r["task"] == t]) or 0)
@@ -97,7 +97,7 @@ def fed_lengths(rows: list[dict]) -> dict[str, tuple[int, int]]:
     """Min and max context tokens actually fed, for question tasks (context only; the question follows)
     and for fidelity: the lengths the rows ran at, beside the nominal one they are filed under."""
     out = {}
-    for kind, tasks in (("questions", RETRIEVAL + REASONING), ("fidelity", FIDELITY)):
+    for kind, tasks in (("questions", RETRIEVAL + LOOKALIKE + REASONING), ("fidelity", FIDELITY)):
         fed = [r["context_tokens"] for r in rows if r["task"] in tasks and "context_tokens" in r]
         if fed:
             out[kind] = (min(fed), max(fed))

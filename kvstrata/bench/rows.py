@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from kvstrata.bench.tasks import FIDELITY, TASKS
+from kvstrata.bench.tasks import FIDELITY, KNOWN
 from kvstrata.textfile import read_text_file
 
 ROWS_MAX_BYTES = 1 << 30
@@ -37,8 +37,8 @@ def row_problem(row) -> str | None:
     for name in ("model", "method"):
         if not isinstance(row.get(name), str) or not row[name]:
             return f"field {name!r} must be a non-empty string"
-    if row.get("task") not in TASKS:
-        return f"field 'task' must be one of {', '.join(TASKS)}, got {row.get('task')!r}"
+    if row.get("task") not in KNOWN:
+        return f"field 'task' must be one of {', '.join(KNOWN)}, got {row.get('task')!r}"
     for name, low in (("length", 1), ("index", 0)):
         value = row.get(name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -18,6 +18,8 @@ from kvstrata.bench.peers import is_peer, parse_peer, qcache
 from kvstrata.bench.peers.worker_client import run_kvpress
 from kvstrata.bench.tasks import (
     FIDELITY,
+    KNOWN,
+    LOOKALIKE,
     REASONING,
     RETRIEVAL,
     TASKS,
@@ -97,8 +99,8 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     """Run every missing cell; returns the JSONL path."""
 
     for t in cfg.tasks:
-        if t not in TASKS:
-            raise ValueError(f"unknown task {t!r} (known: {', '.join(TASKS)})")
+        if t not in KNOWN:
+            raise ValueError(f"unknown task {t!r} (known: {', '.join(KNOWN)})")
     peers = {p: parse_peer(p) for p in cfg.peers}
     specs = {m: parse_method(m) for m in cfg.methods if m != protocol.DYNAMIC}
     in_process = [*cfg.methods, *(p for p in cfg.peers if peers[p].project == "qcache")]
@@ -187,7 +189,7 @@ def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s:
         "model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
         "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
         "prefill_s": prefill_s,
-        "kind": "retrieval" if task in RETRIEVAL else "reasoning" if task in REASONING else "fidelity",
+        "kind": "retrieval" if task in RETRIEVAL + LOOKALIKE else "reasoning" if task in REASONING else "fidelity",
         "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
         **{k: v for k, v in inst.meta.items() if k == "hops"},
     }

@@ -19,7 +19,11 @@ from kvstrata.text import count, prose_and_continuation
 RETRIEVAL = ("single", "multikey", "multivalue", "multiquery")
 REASONING = ("vartrack",)
 FIDELITY = ("fidelity",)
-TASKS = RETRIEVAL + REASONING + FIDELITY
+TASKS = RETRIEVAL + REASONING + FIDELITY  # the default set; the headline retrieval mean is over RETRIEVAL
+#: run on request only: retrieval with other needle phrasings and lookalike distractors (a check
+#: that gains hold beyond the generators above), a column of its own, outside the headline mean
+LOOKALIKE = ("lookalike",)
+KNOWN = TASKS + LOOKALIKE
 
 CONTINUATION = 64  # tokens of a fidelity instance's scored continuation
 HEAD = ("There is important information hidden inside a lot of irrelevant text. "
@@ -83,7 +87,7 @@ def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0
 def draw(task: str, n_tokens: int, index: int, seed: int = 0):
     """(rng, needles, questions, meta) of a question task's instance, drawn before its haystack."""
     if task not in DRAW:
-        raise ValueError(f"unknown task {task!r} (known: {', '.join(TASKS)})")
+        raise ValueError(f"unknown task {task!r} (known: {', '.join(KNOWN)})")
     rng = random.Random(f"{task}/{n_tokens}/{index}/{seed}")
     return (rng, *DRAW[task](rng, index))
 
@@ -131,6 +135,31 @@ def _multiquery(rng: random.Random, index: int):
     return needles, [q], {}
 
 
+#: phrasings of a lookalike fact (none is the "special magic number" of the tasks above)
+PHRASINGS = ("The {obj} opens with the code {n}. ", "To open the {obj}, enter {n}. ",
+             "Remember that {n} is the code for the {obj}. ", "Whoever needs the {obj} should use the code {n}. ")
+SIDES, THINGS = ("north", "south", "east", "west"), ("vault", "locker", "gate", "safe")
+
+
+def _lookalike(rng: random.Random, index: int):
+    """One fact in one of several phrasings (by index), among three distractors that share a word
+    of its object (`north vault` beside `south vault`, `north locker`, `east vault`), each with
+    its own number; the question asks for the target's."""
+    side, thing = rng.choice(SIDES), rng.choice(THINGS)
+    others = [(rng.choice([s for s in SIDES if s != side]), thing),
+              (side, rng.choice([t for t in THINGS if t != thing]))]
+    while (third := (rng.choice(SIDES), thing)) in [(side, thing), *others]:
+        pass
+    objs = [f"{a} {b}" for a, b in [(side, thing), *others, third]]
+    nums = rng.sample(range(10000, 100000), len(objs))
+    template = PHRASINGS[index % len(PHRASINGS)]
+    needles = [template.format(obj=o, n=n) for o, n in zip(objs, nums)]
+    rng.shuffle(needles)
+    q = Question(f"\nWhat is the code for the {objs[0]}? Answer with the number.\nThe code for the {objs[0]} is",
+                 (str(nums[0]),))
+    return needles, [q], {"distractors": len(objs) - 1, "phrasing": index % len(PHRASINGS)}
+
+
 def _var(rng: random.Random) -> str:
     return "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
 
@@ -152,7 +181,7 @@ def _vartrack(rng: random.Random, index: int):
 
 
 DRAW = {"single": _single, "multikey": _multikey, "multivalue": _multivalue, "multiquery": _multiquery,
-        "vartrack": _vartrack}
+        "vartrack": _vartrack, "lookalike": _lookalike}
 
 
 def _fidelity(tokenizer, n_tokens, index, seed) -> Instance:

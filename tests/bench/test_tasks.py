@@ -1,6 +1,6 @@
 import pytest
 
-from kvstrata.bench.tasks import TASKS, check_fed, make_instance, score_answer, tag_failure
+from kvstrata.bench.tasks import KNOWN, PHRASINGS, check_fed, make_instance, score_answer, tag_failure
 from kvstrata.models.tiny import byte_tokenizer
 
 TOK = byte_tokenizer()
@@ -10,7 +10,7 @@ def n_tokens(text):
     return len(TOK(text, add_special_tokens=False).input_ids)
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", KNOWN)
 def test_deterministic_and_seeded(task):
     a = make_instance(task, TOK, 1200, 3, seed=0)
     assert a == make_instance(task, TOK, 1200, 3, seed=0)
@@ -18,7 +18,7 @@ def test_deterministic_and_seeded(task):
     assert a != make_instance(task, TOK, 1200, 3, seed=1)
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", KNOWN)
 @pytest.mark.parametrize("length", [800, 2000])
 def test_context_and_question_fill_the_length_exactly(task, length):
     inst = make_instance(task, TOK, length, 0)
@@ -42,7 +42,7 @@ def test_a_length_too_short_for_the_needles_is_a_clear_error(task):
         make_instance(task, TOK, 200, 0)
 
 
-@pytest.mark.parametrize("task", ["single", "multikey", "multivalue", "multiquery"])
+@pytest.mark.parametrize("task", ["single", "multikey", "multivalue", "multiquery", "lookalike"])
 def test_needles_are_in_context_and_answers_parse(task):
     for i in range(5):
         inst = make_instance(task, TOK, 1500, i)
@@ -99,3 +99,21 @@ def test_failure_tags_on_hand_made_cases():
     assert tag_failure(0.0, [1.0, 0.0, 1.0], "vartrack") == "retrieval"
     assert tag_failure(0.0, [], "single") == "retrieval"
     assert tag_failure(0.5, [], "multivalue") == "retrieval"
+
+
+def test_lookalike_phrasings_and_distractors():
+    seen = set()
+    for i in range(8):
+        inst = make_instance("lookalike", TOK, 1500, i, haystack="natural")
+        q = inst.questions[0]
+        target = q.text.split("code for the ")[1].split("?")[0]
+        side, thing = target.split()
+        facts = [line for line in PHRASINGS if line.format(obj=target, n=q.answers[0]) in inst.context]
+        assert len(facts) == 1 and "magic number" not in inst.context  # one phrasing, not the other tasks'
+        seen.add(PHRASINGS.index(facts[0]))
+        assert inst.meta["distractors"] == 3
+        # every distractor shares a word with the target and has its own number
+        others = [f"{a} {b}" for a in ("north", "south", "east", "west") for b in ("vault", "locker", "gate", "safe")
+                  if f"{a} {b}" != target and f"{a} {b} " in inst.context.replace(",", " ").replace(".", " ")]
+        assert len(others) == 3 and all(side in o or thing in o for o in others)
+    assert seen == set(range(len(PHRASINGS)))
