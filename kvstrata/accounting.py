@@ -52,7 +52,7 @@ def account_hf(config, method: str, tokens: int, dtype: torch.dtype = torch.floa
 
 def _recipe_text(recipe) -> str:
     parts = (
-        [spec_of(recipe.codec)]
+        [spec_of(recipe.codec) + (f" (values {spec_of(recipe.vcodec)})" if recipe.vcodec else "")]
         + ([f"keep {spec_of(recipe.keep)}"] if recipe.keep else [])
         + ([f"r={recipe.r}"] if recipe.r else [])
     )

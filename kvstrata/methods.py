@@ -58,6 +58,12 @@ class StoreRecipe:
     rot_seed: int = 0
     smooth: float = 0.0  # > 0: keys divided per channel by (prefill absmax)^smooth, the query multiplied
     outliers: int = 0  # > 0: that many key channels per KV head kept apart in bf16 (codecs.outliers)
+    vcodec: Codec | None = None  # the values' codec when it differs from the keys' (`v=<codec>`)
+
+    @property
+    def value_codec(self) -> Codec:
+        """The codec values are encoded with (the keys' unless `v=` names another)."""
+        return self.vcodec or self.codec
 
     def rotation(self, head_dim: int) -> torch.Tensor | None:
         """The rotation applied before encoding (`[head_dim, head_dim]`), or None."""
@@ -112,6 +118,10 @@ def _parse_component(text: str):
     rot, seed = params.pop("rot", "none"), params.pop("rotseed", "0")
     smooth = params.pop("smooth", "0")
     outliers = params.pop("outliers", "0")
+    vname = params.pop("v", None)
+    vcodec = None
+    if vname is not None:
+        vcodec = _value_codec(name, vname)
     if not outliers.isdigit() or int(outliers) > 256:
         raise ValueError(f"{name}: parameter outliers must be an integer in [0, 256], got {outliers!r}")
     if rot not in ("none", "hadamard"):
@@ -139,7 +149,17 @@ def _parse_component(text: str):
     if keys == "channel" and int(outliers):
         raise ValueError(f"{name}: outliers needs keys=token (keys grouped per channel already scale each "
                          "channel apart)")
-    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f, outliers=int(outliers))
+    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f, outliers=int(outliers),
+                       vcodec=vcodec)
+
+
+def _value_codec(name: str, vname: str) -> Codec:
+    """The codec `v=<name>` gives the values (its default parameters)."""
+    entry = REGISTRY.get(vname.lower())
+    if entry is None or entry.stratum != "store":
+        known = ", ".join(n for n, e in REGISTRY.items() if e.stratum == "store")
+        raise ValueError(f"{name}: parameter v must name a store codec for the values ({known}), got {vname!r}")
+    return entry.cls()
 
 
 def _parse_recipe(text: str) -> StoreRecipe:
@@ -159,7 +179,8 @@ def _parse_recipe(text: str) -> StoreRecipe:
     store = stores[0] if stores else StoreRecipe()
     if depths and store.rot != "none":
         raise ValueError(f"{text!r}: a rotation does not combine with depth sharing")
-    for what, on in (("key smoothing", store.smooth), ("outlier channels", store.outliers)):
+    for what, on in (("key smoothing", store.smooth), ("outlier channels", store.outliers),
+                     ("a values codec (v=)", store.vcodec)):
         if (depths or reads) and on:
             raise ValueError(f"{text!r}: {what} does not combine with depth sharing or top-k reads")
     if depths and store.key_axis == "channel":

@@ -13,6 +13,14 @@ def test_defaults_and_params():
     assert spec_of(parse_method("fp8:block=32").full.codec) == "fp8:block=32"
 
 
+def test_values_take_their_own_codec():
+    m = parse_method("int2:r=32,v=nvfp4")
+    assert spec_of(m.full.codec) == "int2" and spec_of(m.full.value_codec) == "nvfp4" and m.full.r == 32
+    assert m.full.key_axis == "channel"  # KIVI's keys; values per token in NVFP4
+    plain = parse_method("nvfp4").full
+    assert plain.vcodec is None and plain.value_codec is plain.codec
+
+
 def test_layer_class_overrides():
     m = parse_method("nvfp4;sliding=fp8")
     assert spec_of(m.full.codec) == "nvfp4" and spec_of(m.sliding.codec) == "fp8"
@@ -41,6 +49,9 @@ def test_layer_class_overrides():
         ("layers[0]=fp8+topk:k=64", "whole model"),
         ("layers[0]=fp8;nvfp4", "goes first"),
         ("depth;layers[0]=fp8", "does not combine"),
+        ("nvfp4:v=snapkv", "v must name a store codec"),
+        ("nvfp4:v=fp5", "v must name a store codec"),
+        ("nvfp4:v=fp8+topk:k=8", "values codec .* does not combine"),
     ],
 )
 def test_bad_specs_are_clear_errors(spec, message):

@@ -77,7 +77,7 @@ def family(spec: str) -> str:
     if m.full.depth is not None:
         return "depth"
     keep = any(r.keep is not None for r in m.recipes())
-    quant = any(r.codec.name != "bf16" for r in m.recipes())
+    quant = any(r.codec.name != "bf16" or r.value_codec.name != "bf16" for r in m.recipes())
     if keep:
         return "eviction+quant" if quant else "eviction"
     return "quantization" if quant else "reference"

@@ -72,13 +72,14 @@ def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor
     """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
     `reserve` spare tokens are allocated for later `append`s; `outliers: [b, h, c]` key channels are
     kept apart in bf16 (the keys' `outliers` part)."""
-    codec = recipe.codec
     kt, values, kept = _prepare(recipe, keys, values, outliers)
-    if reserve and hasattr(codec, "fits"):
-        seg = Segment(*(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)) for x in (kt, values)),
-                      keys.shape[-2])
-    else:
-        seg = Segment(codec.encode(kt), codec.encode(values), keys.shape[-2])
+    encoded = []
+    for codec, x in ((recipe.codec, kt), (recipe.value_codec, values)):
+        if reserve and hasattr(codec, "fits"):
+            encoded.append(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)))
+        else:
+            encoded.append(codec.encode(x))
+    seg = Segment(*encoded, keys.shape[-2])
     if kept is not None:
         seg.keys.parts["outliers"] = kept
     if reserve:
@@ -105,11 +106,10 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
     kcap = next(iter(seg.buffers["keys"].values())).shape[kax] * (group if kax == 3 else 1)
     if seg.length + n > kcap or seg.length % group:
         return False
-    codec = recipe.codec
     kt, values, kept = _prepare(recipe, keys, values, outliers)
     scales = [q.parts.get("tensor_scale") for q in (seg.keys, seg.values)]
     new = []
-    for x, held in zip((kt, values), scales):
+    for codec, x, held in zip((recipe.codec, recipe.value_codec), (kt, values), scales):
         if held is None:
             new.append(codec.encode(x))
         elif not codec.fits(x, held):
@@ -177,11 +177,10 @@ def decode_segment(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V
     (`outliers`: the channels the keys' `outliers` part holds)."""
-    codec = recipe.codec
-    k = codec.decode(seg.keys).to(dtype)
+    k = recipe.codec.decode(seg.keys).to(dtype)
     if recipe.key_axis == "channel":
         k = k.transpose(-1, -2)
-    v = codec.decode(seg.values).to(dtype)
+    v = recipe.value_codec.decode(seg.values).to(dtype)
     r = recipe.rotation(k.shape[-1])
     k, v = unrotate(k, r), unrotate(v, r)
     if outliers is not None:

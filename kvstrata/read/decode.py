@@ -32,7 +32,7 @@ _NONE = torch.empty(0)
 class EncodedView:
     """A layer's encoded tokens at one step. `runs`: (keys, values, skip) in token order, keys
     `[b, h, n, d]` (or `[b, h, d, n]` when `key_channel`: KIVI groups along tokens), values
-    `[b, h, n, d]`; `codec` decodes them."""
+    `[b, h, n, d]`; each `QTensor`'s own codec decodes it (`codec`: the keys', the values' may differ)."""
 
     codec: object
     key_channel: bool
@@ -50,11 +50,11 @@ class EncodedView:
         """Every visible token decoded: `[b, h, tokens, d]` K and V (the reference path)."""
         ks, vs = [], []
         for k, v, skip in self.runs:
-            kd = self.codec.decode(k).to(dtype)
+            kd = k.codec.decode(k).to(dtype)
             if self.key_channel:
                 kd = kd.transpose(-1, -2)
             ks.append(self._finish(kd[..., skip:, :], self._kept(k, skip)))
-            vs.append(unrotate(self.codec.decode(v).to(dtype)[..., skip:, :], self.rotation))
+            vs.append(unrotate(v.codec.decode(v).to(dtype)[..., skip:, :], self.rotation))
         return ks, vs
 
 
@@ -68,10 +68,10 @@ class EncodedView:
             if lo < hi:
                 a, b = skip + lo - offset, skip + hi - offset
                 if self.key_channel:
-                    out.append(self.codec.decode(k).to(dtype).transpose(-1, -2)[..., a:b, :])
+                    out.append(k.codec.decode(k).to(dtype).transpose(-1, -2)[..., a:b, :])
                 else:
                     rows = token_rows(k, a, b)
-                    out.append(self.codec.decode(rows).to(dtype))
+                    out.append(rows.codec.decode(rows).to(dtype))
                     kept.append(rows.parts.get("outliers"))
             offset += n
         return self._finish(torch.cat(out, -2), torch.cat(kept, -2) if self.outliers is not None else None)
@@ -98,7 +98,8 @@ def token_rows(q: QTensor, a: int, b: int) -> QTensor:
     return QTensor(q.codec, (*q.shape[:2], b - a, *q.shape[3:]), q.dtype, parts)
 
 
-def _describe(q: QTensor, codec, channel: bool, skip: int, d: int):
+def _describe(q: QTensor, channel: bool, skip: int, d: int):
+    codec = q.codec
     kind, block = _KINDS[codec.name]
     if block is None:
         block = getattr(codec, "block", 0) or getattr(codec, "group", 0) or d
@@ -126,7 +127,7 @@ def kernel_args(view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor):
     for which in (0, 1):
         parts, meta, ts = [], [], []
         for run in view.runs:
-            p, m, s = _describe(run[which], view.codec, view.key_channel and which == 0, run[2], d)
+            p, m, s = _describe(run[which], view.key_channel and which == 0, run[2], d)
             parts += p
             meta.append(m)
             ts.append(s)
@@ -136,6 +137,11 @@ def kernel_args(view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor):
         ts.append(s)
         out += [parts, torch.tensor(meta, dtype=torch.int64), torch.tensor(ts, dtype=torch.float32)]
     return out
+
+
+def same_codecs(view: EncodedView) -> bool:
+    """Whether every run's K and V use the view's codec."""
+    return all(q.codec == view.codec for run in view.runs for q in run[:2])
 
 
 def triton_runs(view: EncodedView) -> list[tuple]:
@@ -194,8 +200,10 @@ def decode_attention(
         out = decode_attention(rotate(query, r), replace(view, rotation=None), rotate(tail_k, r),
                                rotate(tail_v, r), scaling, softcap, idx, fused, bias)
         return unrotate(out, r)
-    fused = fused and view.codec.name in _KINDS  # a codec the kernels do not know: reference path
-    if fused and query.device.type == "cuda" and bias is None:  # the Triton kernels take no bias yet
+    # a codec the kernels do not know: the reference path
+    fused = fused and all(q.codec.name in _KINDS for run in view.runs for q in run[:2])
+    # the Triton kernels take no bias and one codec for K and V
+    if fused and query.device.type == "cuda" and bias is None and same_codecs(view):
         from kvstrata.read.kernels import triton_decode  # optional dependency: GPUs only
 
         return triton_decode.attend(query, triton_runs(view), tail_k, tail_v, scaling, softcap, idx)
