@@ -1,10 +1,10 @@
 """`kvstrata tune`: the cheapest per-layer assignment over a ladder of recipes that keeps a stated
 quality, with a certificate measured on held-out instances.
 
-1. Sensitivity, measured once: for each layer and each rung of the ladder (best first, e.g. `bf16`,
-   `fp8`, `nvfp4:rot=hadamard`, `int2:r=32,rot=hadamard`), that layer alone on that rung, every other
-   layer bf16: KL against the uncompressed cache on the calibration continuations, and the bytes
-   the layer then holds.
+1. Sensitivity, measured once: for each layer (with `kv_apart`, its keys and its values apart) and
+   each rung of the ladder (best first, e.g. `bf16`, `fp8`, `nvfp4:rot=hadamard`,
+   `int2:r=32,rot=hadamard`), that layer alone on that rung, every other layer bf16: KL against the
+   uncompressed cache on the calibration continuations, and the bytes the layer then holds.
 2. A path from every layer on the cheapest rung to every layer on the best: each step takes the
    upgrade that buys the most KL per byte.
 3. A binary search along the path for the cheapest point whose calibration quality holds: retrieval
@@ -32,6 +32,7 @@ from kvstrata.bench import protocol
 from kvstrata.bench.paired import paired_delta
 from kvstrata.bench.results import USABLE
 from kvstrata.bench.tasks import RETRIEVAL, check_fed, make_instance, score_answer
+from kvstrata.codecs import spec_of
 from kvstrata.methods import parse_method
 from kvstrata.models import load
 
@@ -52,6 +53,7 @@ class TuneConfig:
     bytes: float | None = None  # optional target, stored bytes per token
     seed: int = 0
     haystack: str = "noise"
+    kv_apart: bool = False  # keys and values of a layer on rungs of their own
     out: Path = field(default_factory=lambda: Path("runs/tune"))
 
     def check(self) -> None:
@@ -61,6 +63,8 @@ class TuneConfig:
             if ";" in rung:
                 raise ValueError(f"ladder rung {rung!r}: one recipe per rung (no ';')")
             parse_method(f"layers[0]={rung}")  # a rung must be assignable to one layer
+            if self.kv_apart:
+                _check_kv_rung(rung)
         if set(self.calib) & set(self.heldout):
             raise ValueError(f"calibration instances {sorted(set(self.calib) & set(self.heldout))} are also "
                              "held out: they must be disjoint")
@@ -146,19 +150,57 @@ class Evaluator:
                 "bytes_per_token": sum(layer_bytes) / pre.tokens}
 
 
+def _check_kv_rung(rung: str) -> None:
+    """With keys apart from values, a rung must be one store codec whose values half `v=` can name."""
+    rec = parse_method(rung).full
+    if rec.keep is not None or rec.vcodec is not None or rec.rot_seed:
+        raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung is one store codec "
+                         "(no keep policy, v= or rotseed)")
+    if spec_of(rec.codec) != rec.codec.name:
+        raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung's codec takes its default "
+                         f"parameters (v= names a codec by name), not {spec_of(rec.codec)!r}")
+
+
+def kv_recipe(k_rung: str, v_rung: str) -> str:
+    """One layer's recipe with keys as on `k_rung` and values as on `v_rung`; they share the larger
+    full-precision tail and the rotation when either rotates."""
+    if k_rung == v_rung:
+        return k_rung
+    rk, rv = parse_method(k_rung).full, parse_method(v_rung).full
+    params = [f"r={max(rk.r, rv.r)}", f"keys={rk.key_axis}"]
+    params += ["rot=hadamard"] if "hadamard" in (rk.rot, rv.rot) else []
+    params += [f"smooth={rk.smooth}"] if rk.smooth else []
+    params += [f"outliers={rk.outliers}"] if rk.outliers else []
+    codec = spec_of(rk.codec)
+    return codec + ("," if ":" in codec else ":") + ",".join(params + [f"v={rv.value_codec.name}"])
+
+
+def units(cfg: TuneConfig, layers: int) -> list[tuple[int, str | None]]:
+    """What gets a rung: each layer, or each layer's keys and its values."""
+    parts = ("keys", "values") if cfg.kv_apart else (None,)
+    return [(layer, part) for layer in range(layers) for part in parts]
+
+
+def _unit_recipe(rung: str, part: str | None) -> str:
+    if part is None:
+        return rung
+    return kv_recipe(rung, REFERENCE) if part == "keys" else kv_recipe(REFERENCE, rung)
+
+
 def sensitivity(ev: Evaluator, cfg: TuneConfig) -> tuple[list[list[float]], list[list[float]]]:
-    """Per layer and rung: mean calibration KL with that layer alone on that rung, and its bytes/token."""
+    """Per unit (layer, or its keys / values) and rung: mean calibration KL with that unit alone on
+    that rung, everything else bf16, and the bytes/token its layer then holds."""
     base = {i: ev.run("fidelity", i, [REFERENCE])[REFERENCE] for i in cfg.calib}
-    n = len(base[cfg.calib[0]]["layer_bytes"])
-    kl = [[0.0] * len(cfg.ladder) for _ in range(n)]
-    size = [[0.0] * len(cfg.ladder) for _ in range(n)]
-    bar = tqdm(total=n * len(cfg.ladder), desc="tune: layer sensitivity", unit="eval")
-    for layer in range(n):
+    todo = units(cfg, len(base[cfg.calib[0]]["layer_bytes"]))
+    kl = [[0.0] * len(cfg.ladder) for _ in todo]
+    size = [[0.0] * len(cfg.ladder) for _ in todo]
+    bar = tqdm(total=len(todo) * len(cfg.ladder), desc="tune: layer sensitivity", unit="eval")
+    for u, (layer, part) in enumerate(todo):
         for r, rung in enumerate(cfg.ladder):
-            spec = REFERENCE if rung == REFERENCE else f"layers[{layer}]={rung}"
+            spec = REFERENCE if rung == REFERENCE else f"layers[{layer}]={_unit_recipe(rung, part)}"
             got = [ev.run("fidelity", i, [spec])[spec] for i in cfg.calib]
-            kl[layer][r] = mean(g["kl"] for g in got) if rung != REFERENCE else 0.0
-            size[layer][r] = mean(g["layer_bytes"][layer] for g in got)
+            kl[u][r] = mean(g["kl"] for g in got) if rung != REFERENCE else 0.0
+            size[u][r] = mean(g["layer_bytes"][layer] for g in got)
             bar.update(1)
     bar.close()
     return kl, size
@@ -194,13 +236,16 @@ def _ranges(layers: list[int]) -> str:
     return ",".join(out)
 
 
-def render(assign: tuple[int, ...], ladder: tuple[str, ...]) -> str:
-    """A method spec: the most used rung for every layer, `layers[...]=` for the others."""
-    counts = [assign.count(r) for r in range(len(ladder))]
-    base = max(range(len(ladder)), key=lambda r: (counts[r], -r))
-    chunks = [ladder[base]] + [
-        f"layers[{_ranges([i for i, a in enumerate(assign) if a == r])}]={ladder[r]}"
-        for r in range(len(ladder)) if r != base and counts[r]
+def render(assign: tuple[int, ...], ladder: tuple[str, ...], kv_apart: bool = False) -> str:
+    """A method spec: the most used recipe for every layer (ties: the better rungs), `layers[...]=`
+    for the others. `assign`: a rung per unit (with `kv_apart`, keys and values of each layer)."""
+    picks = list(zip(assign[::2], assign[1::2])) if kv_apart else [(a,) for a in assign]
+    texts = [kv_recipe(ladder[p[0]], ladder[p[-1]]) for p in picks]
+    order = {t: min(p for p, x in zip(picks, texts) if x == t) for t in texts}  # rung indices, best first
+    ranked = sorted(order, key=lambda t: order[t])
+    base = max(ranked, key=lambda t: (texts.count(t), [-r for r in order[t]]))
+    chunks = [base] + [
+        f"layers[{_ranges([i for i, x in enumerate(texts) if x == t])}]={t}" for t in ranked if t != base
     ]
     return ";".join(chunks)
 
@@ -251,7 +296,7 @@ def tune(cfg: TuneConfig, load_model=None) -> dict:
     ev = Evaluator(cfg, load_model)
     kl, size = sensitivity(ev, cfg)
     path = upgrade_path(kl, size)
-    specs = [render(a, cfg.ladder) for a in path]
+    specs = [render(a, cfg.ladder, cfg.kv_apart) for a in path]
     tried: dict[int, dict] = {}
 
     def ok(k: int) -> bool:
@@ -274,6 +319,7 @@ def tune(cfg: TuneConfig, load_model=None) -> dict:
     held = quality(ev, cfg, specs[chosen], cfg.heldout, keep=False, desc="tune: held-out certificate")
     cert = {
         "model": cfg.model, "length": cfg.length, "spec": specs[chosen], "ladder": list(cfg.ladder),
+        "kv_apart": cfg.kv_apart,
         "budget": {"max_drop": cfg.max_drop, "top1": cfg.top1, "bytes_per_token": cfg.bytes},
         "quality_met_on_calibration": passes(calib, cfg),
         "bytes_met": None if cfg.bytes is None else held["bytes_per_token"] <= cfg.bytes,

@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--bytes", type=float_in(1, 1e9), help="target stored bytes per token (checked)")
     tu.add_argument("--seed", type=SEED, default=0)
     tu.add_argument("--haystack", default="noise", choices=("noise", "natural"))
+    tu.add_argument("--kv-apart", action="store_true",
+                    help="give each layer's keys and values rungs of their own (twice the sensitivity runs)")
     tu.add_argument("--out", default="runs/tune")
     tu.set_defaults(func=c.cmd_tune)
 

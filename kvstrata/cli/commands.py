@@ -186,7 +186,7 @@ def cmd_tune(args) -> int:
         ladder=tuple(_split_methods(args.ladder)) if args.ladder else DEFAULT_LADDER,
         tasks=_csv(args.tasks) if args.tasks else RETRIEVAL, calib=_indices(args.calib, "--calib"),
         heldout=_indices(args.heldout, "--heldout"), max_drop=args.max_drop, top1=args.top1, bytes=args.bytes,
-        seed=args.seed, haystack=args.haystack, out=Path(args.out),
+        seed=args.seed, haystack=args.haystack, kv_apart=args.kv_apart, out=Path(args.out),
     )
     cfg.check()  # before any model loads
     check_model(args.model)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvstrata.bench.tune import TuneConfig, render, tune, upgrade_path
+from kvstrata.bench.tune import TuneConfig, kv_recipe, render, tune, upgrade_path
 from kvstrata.cli import main
 from kvstrata.hf import CompressedCache
 from kvstrata.methods import parse_method
@@ -61,6 +61,8 @@ def test_an_unreachable_bytes_target_is_reported(tuned, tiny_gemma):
     (dict(ladder=("bf16", "fp8;sliding=bf16")), "one recipe"),
     (dict(ladder=("bf16", "fp8+topk:k=8")), "whole model"),
     (dict(tasks=("vartrack",)), "retrieval tasks"),
+    (dict(kv_apart=True), "default parameters"),  # int2:r=4,group=8: v= cannot say group=8
+    (dict(kv_apart=True, ladder=("bf16", "tova:keep=0.5+fp8")), "no keep policy"),
 ])
 def test_bad_settings_are_refused(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
@@ -90,3 +92,26 @@ def test_render_round_trips_through_the_grammar():
     parsed = parse_method(spec)
     for i, a in enumerate(assign):
         assert parsed.recipe("full", i) == parse_method(LADDER[a]).full
+
+
+def test_keys_and_values_apart_render_and_parse():
+    ladder = ("bf16", "fp8", "nvfp4:rot=hadamard", "int2:r=32")
+    assert kv_recipe("int2:r=32", "nvfp4:rot=hadamard") == "int2:r=32,keys=channel,rot=hadamard,v=nvfp4"
+    assert kv_recipe("fp8", "fp8") == "fp8"
+    assign = (2, 3, 2, 3, 1, 1, 2, 3)  # layers 0, 1, 3: NVFP4 keys, INT2 values; layer 2: FP8 both
+    spec = render(assign, ladder, kv_apart=True)
+    assert spec == "nvfp4:r=32,keys=token,rot=hadamard,v=int2;layers[2]=fp8"
+    parsed = parse_method(spec)
+    mixed = parsed.recipe("full", 0)
+    assert (mixed.codec.name, mixed.value_codec.name, mixed.r, mixed.rot) == ("nvfp4", "int2", 32, "hadamard")
+    assert parsed.recipe("full", 2) == parse_method("fp8").full
+
+
+def test_tuning_keys_apart_from_values_measures_both_halves(tmp_path, tiny_gemma):
+    cfg = _cfg(tmp_path, ladder=("bf16", "fp8", "int2:r=4"), kv_apart=True)
+    cert = tune(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
+    layers = tiny_gemma.config.num_hidden_layers
+    assert len(cert["sensitivity_kl"]) == 2 * layers and cert["kv_apart"]
+    chosen = next(s for s in cert["search"] if s["spec"] == cert["spec"])
+    assert chosen["passes"] or cert["spec"] == "bf16"
+    CompressedCache(tiny_gemma.config, cert["spec"])  # what it prints is a spec the cache takes
