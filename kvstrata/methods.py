@@ -149,8 +149,8 @@ def _parse_component(text: str):
     if keys == "channel" and int(outliers):
         raise ValueError(f"{name}: outliers needs keys=token (keys grouped per channel already scale each "
                          "channel apart)")
-    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f, outliers=int(outliers),
-                       vcodec=vcodec)
+    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f,
+                       outliers=int(outliers), vcodec=vcodec)
 
 
 def _value_codec(name: str, vname: str) -> Codec:
@@ -158,7 +158,8 @@ def _value_codec(name: str, vname: str) -> Codec:
     entry = REGISTRY.get(vname.lower())
     if entry is None or entry.stratum != "store":
         known = ", ".join(n for n, e in REGISTRY.items() if e.stratum == "store")
-        raise ValueError(f"{name}: parameter v must name a store codec for the values ({known}), got {vname!r}")
+        raise ValueError(f"{name}: parameter v must name a store codec for the values ({known}), "
+                         f"got {vname!r}")
     return entry.cls()
 
 

@@ -73,7 +73,8 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
         if module is not None:
             args = kernel_args(view, tk, tv)
             qq, empty = q[:, :, 0].contiguous(), torch.empty(0, dtype=torch.int64)
-            kernel = _time(lambda: module.decode_attention(qq, *args, scale, 0.0, empty, torch.empty(0)), repeats)
+            no_bias = torch.empty(0)
+            kernel = _time(lambda: module.decode_attention(qq, *args, scale, 0.0, empty, no_bias), repeats)
         else:
             kernel = None
         op = _time(lambda: decode_attention(q, view, tk, tv, scale), repeats)

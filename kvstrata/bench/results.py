@@ -47,7 +47,8 @@ def summarise(rows: list[dict]) -> dict:
         groups[(r["model"], r["length"])].append(r)
     out = {}
     for key, rs in sorted(groups.items()):
-        tasks = sorted({r["task"] for r in rs}, key=lambda t: (RETRIEVAL + LOOKALIKE + REASONING + FIDELITY).index(t))
+        order = RETRIEVAL + LOOKALIKE + REASONING + FIDELITY
+        tasks = sorted({r["task"] for r in rs}, key=order.index)
         ref = [r for r in rs if r["method"] == "bf16"]
         rs = rs + reference_subsets(rs, ref)
         usable = {t: (avg([r["score"] for r in ref if r["task"] == t]) or 0)

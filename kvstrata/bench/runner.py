@@ -189,7 +189,8 @@ def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s:
         "model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
         "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
         "prefill_s": prefill_s,
-        "kind": "retrieval" if task in RETRIEVAL + LOOKALIKE else "reasoning" if task in REASONING else "fidelity",
+        "kind": ("retrieval" if task in RETRIEVAL + LOOKALIKE else "reasoning" if task in REASONING
+                 else "fidelity"),
         "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
         **{k: v for k, v in inst.meta.items() if k == "hops"},
     }

@@ -137,7 +137,8 @@ def _multiquery(rng: random.Random, index: int):
 
 #: phrasings of a lookalike fact (none is the "special magic number" of the tasks above)
 PHRASINGS = ("The {obj} opens with the code {n}. ", "To open the {obj}, enter {n}. ",
-             "Remember that {n} is the code for the {obj}. ", "Whoever needs the {obj} should use the code {n}. ")
+             "Remember that {n} is the code for the {obj}. ",
+             "Whoever needs the {obj} should use the code {n}. ")
 SIDES, THINGS = ("north", "south", "east", "west"), ("vault", "locker", "gate", "safe")
 
 
@@ -155,8 +156,9 @@ def _lookalike(rng: random.Random, index: int):
     template = PHRASINGS[index % len(PHRASINGS)]
     needles = [template.format(obj=o, n=n) for o, n in zip(objs, nums)]
     rng.shuffle(needles)
-    q = Question(f"\nWhat is the code for the {objs[0]}? Answer with the number.\nThe code for the {objs[0]} is",
-                 (str(nums[0]),))
+    target = objs[0]
+    q = Question(f"\nWhat is the code for the {target}? Answer with the number.\n"
+                 f"The code for the {target} is", (str(nums[0]),))
     return needles, [q], {"distractors": len(objs) - 1, "phrasing": index % len(PHRASINGS)}
 
 

@@ -157,8 +157,8 @@ def _check_kv_rung(rung: str) -> None:
         raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung is one store codec "
                          "(no keep policy, v= or rotseed)")
     if spec_of(rec.codec) != rec.codec.name:
-        raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung's codec takes its default "
-                         f"parameters (v= names a codec by name), not {spec_of(rec.codec)!r}")
+        raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung's codec takes its "
+                         f"default parameters (v= names a codec by name), not {spec_of(rec.codec)!r}")
 
 
 def kv_recipe(k_rung: str, v_rung: str) -> str:

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "kvpress:<press>:cr=<ratio> (own environment, created on first use) and "
                    "qcache:<quanto|hqq>:int<2|4> (transformers' QuantizedCache)")
     b.add_argument("--tasks",
-                   help="comma-separated tasks (default single,multikey,multivalue,multiquery,vartrack,fidelity; "
+                   help="comma-separated tasks (default single,multikey,multivalue,multiquery,vartrack,"
+                   "fidelity; "
                    "lookalike on request: other needle phrasings among lookalike distractors)")
     b.add_argument("--lengths", help="comma-separated context lengths in tokens (default 2048)")
     b.add_argument("--n", type=int_in(1, 100_000), help="instances per task and length (default 20)")

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from kvstrata.hf.segments import probe_segment
 from kvstrata.methods import METHODS, parse_method
 

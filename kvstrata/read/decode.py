@@ -193,8 +193,8 @@ def decode_attention(
         c = view.outliers
         kept = torch.cat([view.kept(), split_outliers(tail_k, c)[1]], -2)
         extra = score_bias(query, c, kept)
-        return decode_attention(zero_channels(query, c), replace(view, outliers=None), tail_k, tail_v, scaling,
-                                softcap, idx, fused, extra if bias is None else bias + extra)
+        return decode_attention(zero_channels(query, c), replace(view, outliers=None), tail_k, tail_v,
+                                scaling, softcap, idx, fused, extra if bias is None else bias + extra)
     if view.rotation is not None:  # attend in the rotated space the codes are in, then rotate back
         r = view.rotation
         out = decode_attention(rotate(query, r), replace(view, rotation=None), rotate(tail_k, r),

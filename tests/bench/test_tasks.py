@@ -1,6 +1,15 @@
 import pytest
 
-from kvstrata.bench.tasks import KNOWN, PHRASINGS, check_fed, make_instance, score_answer, tag_failure
+from kvstrata.bench.tasks import (
+    KNOWN,
+    PHRASINGS,
+    SIDES,
+    THINGS,
+    check_fed,
+    make_instance,
+    score_answer,
+    tag_failure,
+)
 from kvstrata.models.tiny import byte_tokenizer
 
 TOK = byte_tokenizer()
@@ -113,7 +122,8 @@ def test_lookalike_phrasings_and_distractors():
         seen.add(PHRASINGS.index(facts[0]))
         assert inst.meta["distractors"] == 3
         # every distractor shares a word with the target and has its own number
-        others = [f"{a} {b}" for a in ("north", "south", "east", "west") for b in ("vault", "locker", "gate", "safe")
-                  if f"{a} {b}" != target and f"{a} {b} " in inst.context.replace(",", " ").replace(".", " ")]
+        text = inst.context.replace(",", " ").replace(".", " ")
+        names = [f"{a} {b}" for a in SIDES for b in THINGS]
+        others = [n for n in names if n != target and f"{n} " in text]
         assert len(others) == 3 and all(side in o or thing in o for o in others)
     assert seen == set(range(len(PHRASINGS)))

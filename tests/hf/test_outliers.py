@@ -6,7 +6,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvstrata.codecs.outliers import merge_outliers, outlier_channels, score_bias, split_outliers, zero_channels
+from kvstrata.codecs.outliers import (
+    merge_outliers,
+    outlier_channels,
+    score_bias,
+    split_outliers,
+    zero_channels,
+)
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.layers import CompressedLayer
 from kvstrata.methods import parse_method
@@ -86,5 +92,5 @@ def test_bad_outlier_specs(spec, message):
 
 def test_more_outliers_than_the_head_has_is_refused(tiny_llama):
     head_dim = tiny_llama.config.head_dim
-    with pytest.raises(ValueError, match=f"keeps {head_dim} outlier channels; the model's head_dim is {head_dim}"):
+    with pytest.raises(ValueError, match=f"keeps {head_dim} outlier channels; the model's head_dim is"):
         CompressedCache(tiny_llama.config, f"nvfp4:outliers={head_dim}")

@@ -29,7 +29,8 @@ def test_rotated_bf16_tracks_dense_and_keeps_the_bytes(model, decode_logits):
                                   # key smoothing goes through the same query / output transforms
                                   "nvfp4:smooth=0.5", "int4:r=8,smooth=0.5,rot=hadamard", "fp8:smooth=1",
                                   # outlier channels: a score bias beside the codes
-                                  "nvfp4:outliers=2", "int4:r=8,keys=token,outliers=3,smooth=0.5,rot=hadamard",
+                                  "nvfp4:outliers=2",
+                                  "int4:r=8,keys=token,outliers=3,smooth=0.5,rot=hadamard",
                                   "fp8:outliers=4+tova:keep=0.75",
                                   # values in their own codec (KIVI keys per channel beside NVFP4 values)
                                   "nvfp4:v=int2", "int2:r=8,v=nvfp4,rot=hadamard"])
