@@ -7,7 +7,9 @@ built on first use) codes are decoded a tile of tokens at a time inside an onlin
 query heads of a KV group share one pass over the codes; without it (build failed, or
 `KVSTRATA_KERNELS=reference`) the runs are decoded whole and attended (the reference path, also
 what tests compare the kernels with). On a CUDA device the Triton kernels
-(`kernels/triton_decode.py`) do the same. Sparse reads pass the positions to read (`idx`).
+(`kernels/triton_decode.py`) do the same (one codec for K and V, no score bias: otherwise the
+reference path). Sparse reads pass the positions to read (`idx`); outlier key channels held apart
+enter as a score bias.
 """
 
 from __future__ import annotations
