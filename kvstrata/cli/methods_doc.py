@@ -39,14 +39,16 @@ precision, KIVI's residual), `keys` (`token`: scales per token; `channel`: KIVI'
 per channel along tokens, integer codecs only) and `rot` (`hadamard`: K and V are rotated along
 head_dim by a randomized Hadamard matrix before encoding, `rotseed` picks its signs, default 0;
 the query is rotated the same way and the attention output rotated back, so nothing per token is
-stored and bytes per token do not change) and `smooth` (`A` in [0, 1], default 0: each layer's keys
+stored and bytes per token do not change), `smooth` (`A` in [0, 1], default 0: each layer's keys
 are divided per channel by their prefill magnitude to the power `A` (normalised per head) and the
 query multiplied by the same, so q.k is unchanged while outlier channels stop setting every
-token's scale; the divisors, `head_dim` fp32 per KV head and layer, are counted in the bytes) and
+token's scale; the divisors, `head_dim` fp32 per KV head and layer, are counted in the bytes),
 `outliers` (`c`, default 0: per layer and KV head the `c` key channels of largest prefill magnitude
 are held in bf16 beside the codes, which hold the keys with those channels zeroed; attention adds
 their `q.k` as a score bias, in the fused kernel too; `2c` bytes per token and KV head, counted;
-per-token keys only, so integer codecs need `keys=token`).
+per-token keys only, so integer codecs need `keys=token`) and `v` (a store codec's name: the
+values are encoded with it, default parameters, while the keys keep the recipe's codec;
+`int2:r=32,v=nvfp4` holds KIVI INT2 keys and NVFP4 values; what `kvstrata tune --kv-apart` emits).
 """
 
 
