@@ -136,29 +136,27 @@ def _multiquery(rng: random.Random, index: int):
 
 
 #: phrasings of a lookalike fact (none is the "special magic number" of the tasks above)
-PHRASINGS = ("The {obj} opens with the code {n}. ", "To open the {obj}, enter {n}. ",
-             "Remember that {n} is the code for the {obj}. ",
-             "Whoever needs the {obj} should use the code {n}. ")
+PHRASINGS = ("The {obj} opens with the combination {n}. ", "To open the {obj}, dial {n}. ",
+             "Remember that {n} is the combination for the {obj}. ",
+             "Whoever needs the {obj} should dial the combination {n}. ")
 SIDES, THINGS = ("north", "south", "east", "west"), ("vault", "locker", "gate", "safe")
 
 
 def _lookalike(rng: random.Random, index: int):
-    """One fact in one of several phrasings (by index), among three distractors that share a word
-    of its object (`north vault` beside `south vault`, `north locker`, `east vault`), each with
-    its own number; the question asks for the target's."""
+    """One fact in one of several phrasings (by index) beside two distractors that share a word of
+    its object (`north vault` beside `south vault` and `north locker`), each with its own number;
+    the question asks for the target's in the first phrasing, whichever the facts use."""
     side, thing = rng.choice(SIDES), rng.choice(THINGS)
     others = [(rng.choice([s for s in SIDES if s != side]), thing),
               (side, rng.choice([t for t in THINGS if t != thing]))]
-    while (third := (rng.choice(SIDES), thing)) in [(side, thing), *others]:
-        pass
-    objs = [f"{a} {b}" for a, b in [(side, thing), *others, third]]
+    objs = [f"{a} {b}" for a, b in [(side, thing), *others]]
     nums = rng.sample(range(10000, 100000), len(objs))
     template = PHRASINGS[index % len(PHRASINGS)]
     needles = [template.format(obj=o, n=n) for o, n in zip(objs, nums)]
     rng.shuffle(needles)
     target = objs[0]
-    q = Question(f"\nWhat is the code for the {target}? Answer with the number.\n"
-                 f"The code for the {target} is", (str(nums[0]),))
+    q = Question(f"\nWhat combination opens the {target}? Answer with the number.\n"
+                 f"The {target} opens with the combination", (str(nums[0]),))
     return needles, [q], {"distractors": len(objs) - 1, "phrasing": index % len(PHRASINGS)}
 
 

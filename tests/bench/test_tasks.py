@@ -115,15 +115,15 @@ def test_lookalike_phrasings_and_distractors():
     for i in range(8):
         inst = make_instance("lookalike", TOK, 1500, i, haystack="natural")
         q = inst.questions[0]
-        target = q.text.split("code for the ")[1].split("?")[0]
+        target = q.text.split("combination opens the ")[1].split("?")[0]
         side, thing = target.split()
         facts = [line for line in PHRASINGS if line.format(obj=target, n=q.answers[0]) in inst.context]
         assert len(facts) == 1 and "magic number" not in inst.context  # one phrasing, not the other tasks'
         seen.add(PHRASINGS.index(facts[0]))
-        assert inst.meta["distractors"] == 3
+        assert inst.meta["distractors"] == 2
         # every distractor shares a word with the target and has its own number
         text = inst.context.replace(",", " ").replace(".", " ")
         names = [f"{a} {b}" for a in SIDES for b in THINGS]
         others = [n for n in names if n != target and f"{n} " in text]
-        assert len(others) == 3 and all(side in o or thing in o for o in others)
+        assert len(others) == 2 and all(side in o or thing in o for o in others)
     assert seen == set(range(len(PHRASINGS)))
