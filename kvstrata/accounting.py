@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvstrata.codecs import spec_of
-from kvstrata.hf.cache import CompressedCache, layer_classes
+from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
 from kvstrata.hf.run import bf16_bytes_per_token
 from kvstrata.methods import parse_method
 
@@ -21,7 +21,7 @@ def account_hf(config, method: str, tokens: int, dtype: torch.dtype = torch.floa
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     text = config.get_text_config(decoder=True)
     heads = text.num_key_value_heads
-    dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dim = head_dim(text)
     spec = parse_method(method)
     cache = CompressedCache(config, spec)
     layers, scores = [], []

@@ -119,9 +119,7 @@ def _parse_component(text: str):
     smooth = params.pop("smooth", "0")
     outliers = params.pop("outliers", "0")
     vname = params.pop("v", None)
-    vcodec = None
-    if vname is not None:
-        vcodec = _value_codec(name, vname)
+    vcodec = None if vname is None else _value_codec(name, vname)
     if not outliers.isdigit() or int(outliers) > 256:
         raise ValueError(f"{name}: parameter outliers must be an integer in [0, 256], got {outliers!r}")
     if rot not in ("none", "hadamard"):

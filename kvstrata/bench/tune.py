@@ -241,9 +241,11 @@ def render(assign: tuple[int, ...], ladder: tuple[str, ...], kv_apart: bool = Fa
     for the others. `assign`: a rung per unit (with `kv_apart`, keys and values of each layer)."""
     picks = list(zip(assign[::2], assign[1::2])) if kv_apart else [(a,) for a in assign]
     texts = [kv_recipe(ladder[p[0]], ladder[p[-1]]) for p in picks]
-    order = {t: min(p for p, x in zip(picks, texts) if x == t) for t in texts}  # rung indices, best first
-    ranked = sorted(order, key=lambda t: order[t])
-    base = max(ranked, key=lambda t: (texts.count(t), [-r for r in order[t]]))
+    order: dict[str, tuple[int, ...]] = {}  # each recipe's best rung indices
+    for p, t in zip(picks, texts):
+        order[t] = min(order.get(t, p), p)
+    ranked = sorted(order, key=order.__getitem__)
+    base = max(ranked, key=texts.count)  # the first of the most used: ties go to the better rungs
     chunks = [base] + [
         f"layers[{_ranges([i for i, x in enumerate(texts) if x == t])}]={t}" for t in ranked if t != base
     ]

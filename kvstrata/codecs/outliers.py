@@ -30,11 +30,15 @@ def _expand(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return idx[..., None, :].expand(*like.shape[:-1], idx.shape[-1])
 
 
+def channels(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The `idx` channels of `keys: [b, h, n, d]` -> `[b, h, n, c]`, in keys' dtype."""
+    return keys.gather(-1, _expand(idx, keys))
+
+
 def split_outliers(keys: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`keys: [b, h, n, d]` -> (keys with the `idx` channels zeroed, those channels `[b, h, n, c]`
     in OUTLIER_DTYPE)."""
-    where = _expand(idx, keys)
-    return keys.scatter(-1, where, 0.0), keys.gather(-1, where).to(OUTLIER_DTYPE)
+    return keys.scatter(-1, _expand(idx, keys), 0.0), channels(keys, idx).to(OUTLIER_DTYPE)
 
 
 def merge_outliers(keys: torch.Tensor, kept: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -42,20 +46,17 @@ def merge_outliers(keys: torch.Tensor, kept: torch.Tensor, idx: torch.Tensor) ->
     return keys.scatter(-1, _expand(idx, keys), kept.to(keys.dtype))
 
 
-def query_heads(idx: torch.Tensor, query_heads: int) -> torch.Tensor:
-    """`idx: [b, hk, c]` repeated for the query heads of each KV group -> `[b, hq, c]`."""
-    return idx.repeat_interleave(query_heads // idx.shape[1], 1)
-
-
 def zero_channels(query: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """`query: [b, hq, t, d]` with the outlier channels of its KV group zeroed."""
-    return query.scatter(-1, _expand(query_heads(idx, query.shape[1]), query), 0.0)
+    per_head = idx.repeat_interleave(query.shape[1] // idx.shape[1], 1)
+    return query.scatter(-1, _expand(per_head, query), 0.0)
 
 
 def score_bias(query: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """`q_out . k_out` for every token: `query: [b, hq, 1, d]`, `kept: [b, hk, n, c]` -> `[b, hq, n]`
-    float32 (added to the scores before scaling)."""
-    hq = query.shape[1]
-    q_out = query.float().gather(-1, _expand(query_heads(idx, hq), query))  # [b, hq, 1, c]
-    k_out = kept.float().repeat_interleave(hq // kept.shape[1], 1)  # [b, hq, n, c]
-    return (q_out @ k_out.transpose(-1, -2))[:, :, 0]
+    float32 (added to the scores before scaling); the query heads of a KV group share its channels."""
+    b, hq, _, d = query.shape
+    hk = idx.shape[1]
+    grouped = query.float().reshape(b, hk, hq // hk, d)  # [b, hk, groups, d]
+    q_out = grouped.gather(-1, idx[:, :, None, :].expand(b, hk, hq // hk, idx.shape[-1]))
+    return (q_out @ kept.float().transpose(-1, -2)).reshape(b, hq, -1)

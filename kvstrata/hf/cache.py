@@ -17,6 +17,12 @@ from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer
 from kvstrata.methods import MethodSpec, parse_method
 
 
+def head_dim(text_config) -> int:
+    """Per-head K/V width of a text config (`head_dim`, or hidden size over attention heads)."""
+    dim = getattr(text_config, "head_dim", None)
+    return dim or text_config.hidden_size // text_config.num_attention_heads
+
+
 def layer_classes(config) -> list[tuple[str, int | None]]:
     """Per decoder layer: ("full", None) or ("sliding", window), from a transformers config."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -55,12 +61,10 @@ class CompressedCache(Cache):
             top = self.method.max_layer()
             raise ValueError(f"method {self.method.text!r} assigns layer {top}; the model has "
                              f"{len(classes)} layers (0-{len(classes) - 1})")
-        head_dim = getattr(self.text_config, "head_dim", None) or (
-            self.text_config.hidden_size // self.text_config.num_attention_heads)
-        wide = max(r.outliers for r in self.method.recipes())
-        if wide >= head_dim:
+        wide, dim = max(r.outliers for r in self.method.recipes()), head_dim(self.text_config)
+        if wide >= dim:
             raise ValueError(f"method {self.method.text!r} keeps {wide} outlier channels; the model's "
-                             f"head_dim is {head_dim}")
+                             f"head_dim is {dim}")
         layers: list[CacheLayerMixin] = []
         for i, (cls, window) in enumerate(classes):
             recipe = self.method.recipe(cls, i)

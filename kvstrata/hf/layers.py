@@ -17,7 +17,6 @@ from kvstrata.hf.segments import (
     COMPACT_ROWS,
     Segment,
     append,
-    decode_segment,
     drop_front,
     encode_segment,
     probe_segment,
@@ -70,11 +69,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything held, decoded: `[batch, kv_heads, stored_tokens, head_dim]` K and V."""
-        ks, vs = [], []
-        for seg in self.segments:
-            k, v = decode_segment(self.recipe, seg, self.dtype, self.outlier_idx)
-            ks.append(k if self.key_scale is None else (k * self.key_scale).to(self.dtype))
-            vs.append(v)
+        ks, vs = self.view().dense(self.dtype)  # one reconstruction: rotation, outliers, smoothing undone
         return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
 
     def view(self) -> EncodedView:

@@ -20,6 +20,7 @@ from kvstrata.hf.attention import (
     register_reader,
     take,
 )
+from kvstrata.hf.cache import head_dim
 from kvstrata.methods import parse_method
 from kvstrata.read.decode import decode_attention
 from kvstrata.read.sparse import LazyKeys, ReadState, TopK, select
@@ -56,10 +57,7 @@ def sparse_reading(model, cache, cfg: TopK):
     """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
     full = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
     modes = dict(zip(full, cfg.modes(len(full))))
-    c = model.config
-    state = ReadState(
-        cfg, modes, list(cache.layers), getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    )
+    state = ReadState(cfg, modes, list(cache.layers), head_dim(model.config))
     with hooked(model, NAME, _STATE, state):
         yield state
 

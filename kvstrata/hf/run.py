@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.hf.cache import CompressedCache, layer_classes
+from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
 from kvstrata.hf.reading import reading
 from kvstrata.methods import MethodSpec, parse_method
 
@@ -36,8 +36,7 @@ def bf16_bytes_per_token(config, tokens: int) -> float:
     """Reference: what an uncompressed bf16 cache of this model holds per token after `tokens` tokens
     (sliding layers hold at most `window - 1`). The `bf16` method's measured bytes equal this."""
     text = config.get_text_config(decoder=True)
-    per_layer_token = 2 * text.num_key_value_heads * \
-        getattr(text, "head_dim", text.hidden_size // text.num_attention_heads) * 2
+    per_layer_token = 2 * text.num_key_value_heads * head_dim(text) * 2
     held = sum(tokens if cls == "full" else min(tokens, window - 1) for cls, window in layer_classes(config))
     return held * per_layer_token / tokens if tokens else 0.0
 

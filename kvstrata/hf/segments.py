@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.codecs import QTensor
-from kvstrata.codecs.outliers import merge_outliers, split_outliers
+from kvstrata.codecs.outliers import split_outliers
 from kvstrata.codecs.rotation import rotate, unrotate
 from kvstrata.methods import StoreRecipe
 
@@ -173,18 +173,16 @@ def _views(recipe: StoreRecipe, seg: Segment) -> None:
 
 
 def decode_segment(
-    recipe: StoreRecipe, seg: Segment, dtype: torch.dtype, outliers: torch.Tensor | None = None
+    recipe: StoreRecipe, seg: Segment, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V
-    (`outliers`: the channels the keys' `outliers` part holds)."""
+    """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V (a store
+    record's segment: no smoothing or outlier channels; a cache layer reads through its view)."""
     k = recipe.codec.decode(seg.keys).to(dtype)
     if recipe.key_axis == "channel":
         k = k.transpose(-1, -2)
     v = recipe.value_codec.decode(seg.values).to(dtype)
     r = recipe.rotation(k.shape[-1])
     k, v = unrotate(k, r), unrotate(v, r)
-    if outliers is not None:
-        k = merge_outliers(k, seg.keys.parts["outliers"], outliers)
     return k[..., seg.skip :, :], v[..., seg.skip :, :]
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.hf.cache import CompressedCache, layer_classes
+from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
 from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
 from kvstrata.place.prefix_keys import block_hashes, model_fingerprint, namespace
@@ -69,7 +69,7 @@ class PrefixServer:
         self.dtype = next(model.parameters()).dtype
         text = model.config.get_text_config()
         self.vocab, self.kv_heads = text.vocab_size, text.num_key_value_heads
-        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.head_dim = head_dim(text)
 
     def _unpack(self, entry: Entry, klass: str, layers: list[int], tokens: int | None):
         """A verified record's per-layer K/V `[1, kv_heads, tokens, head_dim]`, or None: a record that

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvstrata.codecs import QTensor
-from kvstrata.codecs.outliers import merge_outliers, score_bias, split_outliers, zero_channels
+from kvstrata.codecs.outliers import channels, merge_outliers, score_bias, zero_channels
 from kvstrata.codecs.rotation import rotate, unrotate
 from kvstrata.read.kernels import cpu
 
@@ -90,7 +90,7 @@ class EncodedView:
         k = unrotate(k, self.rotation)
         if kept is not None:
             k = merge_outliers(k, kept, self.outliers)
-        return k if self.key_scale is None else k * self.key_scale.to(k.dtype)
+        return k if self.key_scale is None else (k * self.key_scale).to(k.dtype)
 
 
 def token_rows(q: QTensor, a: int, b: int) -> QTensor:
@@ -193,7 +193,7 @@ def decode_attention(
                                 scaling, softcap, idx, fused, bias)
     if view.outliers is not None:  # q.k = q_rest . codes + q_out . k_out (the kept channels, a bias)
         c = view.outliers
-        kept = torch.cat([view.kept(), split_outliers(tail_k, c)[1]], -2)
+        kept = torch.cat([view.kept().float(), channels(tail_k, c).float()], -2)
         extra = score_bias(query, c, kept)
         return decode_attention(zero_channels(query, c), replace(view, outliers=None), tail_k, tail_v,
                                 scaling, softcap, idx, fused, extra if bias is None else bias + extra)
