@@ -1,6 +1,7 @@
 """Outlier key channels kept apart (`outliers=c`): chosen from the prefill, stored in bf16 beside the
-codes, counted in the bytes, put back exactly (fused reads = the reference path, and the gain on an
-outlier channel: tests/hf/test_rotated_cache.py, tests/hf/test_smoothing.py)."""
+codes, counted in the bytes (key smoothing's divisors too), put back exactly (fused reads = the
+reference path, and the gain on an outlier channel: tests/hf/test_rotated_cache.py,
+tests/hf/test_smoothing.py; bad specs: tests/test_methods.py)."""
 
 import pytest
 import torch
@@ -42,21 +43,30 @@ def test_the_bias_and_the_zeroed_query_add_up_to_q_dot_k():
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
-def test_bf16_with_outliers_tracks_dense_and_counts_the_kept_channels(model, decode_logits):
+def _divisors(layer) -> int:
+    return layer.key_scale.numel() * 4  # fp32 per channel, KV head and layer
+
+
+def _kept_channels(layer) -> int:
+    tokens, heads = layer.stored_tokens() - layer.keys.shape[-2], layer.outlier_idx.shape[1]
+    return tokens * heads * 4 * 2 + layer.outlier_idx.numel() * 8  # 4 bf16 channels, int64 indices
+
+
+@pytest.mark.parametrize("spec, extra", [("bf16:smooth=0.5", _divisors), ("bf16:outliers=4", _kept_channels)])
+def test_exact_key_transforms_track_dense_and_count_what_they_hold(model, decode_logits, spec, extra):
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
     ref = decode_logits(model, DynamicCache(config=model.config), ids)
-    cache = CompressedCache(model.config, "bf16:outliers=4")
+    cache = CompressedCache(model.config, spec)
     got = decode_logits(model, cache, ids)
     assert (got[:, 40:] - ref[:, 40:]).abs().mean() < 0.01
     plain = CompressedCache(model.config, "bf16")
     decode_logits(model, plain, ids)
     for layer in cache.layers + plain.layers:
         layer.shrink()  # spare rows reserved for appends hold kept channels too: count tokens held only
-    extra = 0
-    for layer in cache.layers:
-        tokens, heads = layer.stored_tokens() - layer.keys.shape[-2], layer.outlier_idx.shape[1]
-        extra += tokens * heads * 4 * 2 + layer.outlier_idx.numel() * 8  # 4 bf16 channels, int64 indices
-    assert cache.nbytes()["total"] == plain.nbytes()["total"] + extra
+    assert cache.nbytes()["total"] == plain.nbytes()["total"] + sum(extra(layer) for layer in cache.layers)
+
+
+def test_a_key_row_gains_the_kept_channels():
     rows = []
     for spec in ("nvfp4", "nvfp4:outliers=4"):
         layer = CompressedLayer(parse_method(spec).full)
@@ -77,17 +87,6 @@ def test_outlier_channels_are_chosen_once_from_the_prefill():
     assert layer.outlier_idx.tolist() == [[[5]]]
     dk, _ = layer.dense()
     assert dk[0, 0, -1, 7] == 500.0  # ... and is still held (the full-precision tail)
-
-
-@pytest.mark.parametrize("spec, message", [
-    ("nvfp4:outliers=-1", r"outliers must be an integer in \[0, 256\]"),
-    ("nvfp4:outliers=x", "outliers must be"),
-    ("int4:outliers=2", "outliers needs keys=token"),
-    ("nvfp4:outliers=2+topk:k=8", "outlier channels does not combine"),
-])
-def test_bad_outlier_specs(spec, message):
-    with pytest.raises(ValueError, match=message):
-        parse_method(spec)
 
 
 def test_more_outliers_than_the_head_has_is_refused(tiny_llama):
