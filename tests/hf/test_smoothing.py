@@ -11,6 +11,7 @@ from kvstrata.methods import parse_method
 
 
 def test_scale_keeps_the_keys_overall_size_and_q_dot_k():
+    torch.manual_seed(0)  # fixed inputs: the q.k check sits near float32 rounding
     k = torch.randn(1, 2, 50, 16) * torch.linspace(0.1, 30, 16)
     s = smoothing_scale(k, 0.5)
     assert s.shape == (1, 2, 1, 16)
