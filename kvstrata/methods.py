@@ -27,6 +27,7 @@ import torch
 
 from kvstrata import registry
 from kvstrata.codecs import BF16, Codec, build, coerce_params, split_spec
+from kvstrata.codecs.outliers import KEPT_FORMATS
 from kvstrata.codecs.rotation import hadamard_rotation
 from kvstrata.keep import KeepPolicy
 from kvstrata.read import TopK
@@ -57,7 +58,8 @@ class StoreRecipe:
     rot: str = "none"  # "hadamard": K and V rotated along head_dim before encoding
     rot_seed: int = 0
     smooth: float = 0.0  # > 0: keys divided per channel by (prefill absmax)^smooth, the query multiplied
-    outliers: int = 0  # > 0: that many key channels per KV head kept apart in bf16 (codecs.outliers)
+    outliers: int = 0  # > 0: that many key channels per KV head kept apart (codecs.outliers)
+    outlier_fmt: str = "bf16"  # what the kept channels are stored in (`ofmt=`: bf16 or fp8)
     vcodec: Codec | None = None  # the values' codec when it differs from the keys' (`v=<codec>`)
 
     @property
@@ -118,10 +120,15 @@ def _parse_component(text: str):
     rot, seed = params.pop("rot", "none"), params.pop("rotseed", "0")
     smooth = params.pop("smooth", "0")
     outliers = params.pop("outliers", "0")
+    ofmt = params.pop("ofmt", None)
     vname = params.pop("v", None)
     vcodec = None if vname is None else _value_codec(name, vname)
     if not outliers.isdigit() or int(outliers) > 256:
         raise ValueError(f"{name}: parameter outliers must be an integer in [0, 256], got {outliers!r}")
+    if ofmt is not None and ofmt not in KEPT_FORMATS:
+        raise ValueError(f"{name}: parameter ofmt must be one of {', '.join(KEPT_FORMATS)}, got {ofmt!r}")
+    if ofmt is not None and not int(outliers):
+        raise ValueError(f"{name}: parameter ofmt={ofmt} needs outliers=c (the kept channels it stores)")
     if rot not in ("none", "hadamard"):
         raise ValueError(f"{name}: parameter rot must be 'none' or 'hadamard', got {rot!r}")
     if not seed.isdigit() or int(seed) >= 1 << 31:
@@ -148,7 +155,7 @@ def _parse_component(text: str):
         raise ValueError(f"{name}: outliers needs keys=token (keys grouped per channel already scale each "
                          "channel apart)")
     return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f,
-                       outliers=int(outliers), vcodec=vcodec)
+                       outliers=int(outliers), outlier_fmt=ofmt or "bf16", vcodec=vcodec)
 
 
 def _value_codec(name: str, vname: str) -> Codec:

@@ -55,6 +55,8 @@ def test_layer_class_overrides():
         ("nvfp4:outliers=-1", r"outliers must be an integer in \[0, 256\]"),
         ("nvfp4:outliers=x", "outliers must be"),
         ("int4:outliers=2", "outliers needs keys=token"),
+        ("nvfp4:ofmt=fp8", "ofmt=fp8 needs outliers=c"),
+        ("nvfp4:outliers=2,ofmt=int8", "ofmt must be one of bf16, fp8, got 'int8'"),
         ("nvfp4:outliers=2+topk:k=8", "outlier channels does not combine"),
         ("nvfp4:v=snapkv", "v must name a store codec"),
         ("nvfp4:v=fp5", "v must name a store codec"),

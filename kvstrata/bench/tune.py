@@ -171,6 +171,7 @@ def kv_recipe(k_rung: str, v_rung: str) -> str:
     params += ["rot=hadamard"] if "hadamard" in (rk.rot, rv.rot) else []
     params += [f"smooth={rk.smooth}"] if rk.smooth else []
     params += [f"outliers={rk.outliers}"] if rk.outliers else []
+    params += [f"ofmt={rk.outlier_fmt}"] if rk.outliers and rk.outlier_fmt != "bf16" else []
     codec = spec_of(rk.codec)
     return codec + ("," if ":" in codec else ":") + ",".join(params + [f"v={rv.value_codec.name}"])
 

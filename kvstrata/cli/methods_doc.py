@@ -44,9 +44,11 @@ are divided per channel by their prefill magnitude to the power `A` (normalised 
 query multiplied by the same, so q.k is unchanged while outlier channels stop setting every
 token's scale; the divisors, `head_dim` fp32 per KV head and layer, are counted in the bytes),
 `outliers` (`c`, default 0: per layer and KV head the `c` key channels of largest prefill magnitude
-are held in bf16 beside the codes, which hold the keys with those channels zeroed; attention adds
-their `q.k` as a score bias, in the fused kernel too; `2c` bytes per token and KV head, counted;
-per-token keys only, so integer codecs need `keys=token`) and `v` (a store codec's name: the
+are held beside the codes, which hold the keys with those channels zeroed; attention adds their
+`q.k` as a score bias, in the fused kernel too; `2c` bytes per token and KV head in bf16, counted;
+per-token keys only, so integer codecs need `keys=token`), `ofmt` (`bf16` or `fp8`, default bf16,
+with `outliers` only: the kept channels in FP8 E4M3, saturating at ±448, `c` bytes per token and KV
+head) and `v` (a store codec's name: the
 values are encoded with it, default parameters, while the keys keep the recipe's codec;
 `int2:r=32,v=nvfp4` holds KIVI INT2 keys and NVFP4 values; what `kvstrata tune --kv-apart` emits).
 """

@@ -2,8 +2,8 @@
 
 A few key channels per head carry magnitudes far above the rest, so in a per-token block they set
 the scale every other channel is quantized with. Per layer and KV head, the `c` channels with the
-largest prefill key magnitude are stored in bf16 beside the codes, and the codes hold the keys with
-those channels zeroed. Attention then splits `q.k = q_rest . k_codes + q_out . k_out`: the codes are
+largest prefill key magnitude are stored beside the codes (in bf16, or in FP8 E4M3 for half the
+bytes), and the codes hold the keys with those channels zeroed. Attention then splits `q.k = q_rest . k_codes + q_out . k_out`: the codes are
 read with the outlier channels of the query zeroed, and the second term is a score bias computed
 from the bf16 channels. Values are not split (their channels carry no such outliers).
 """
@@ -12,8 +12,22 @@ from __future__ import annotations
 
 import torch
 
-#: the dtype the kept channels are stored in
-OUTLIER_DTYPE = torch.bfloat16
+#: formats the kept channels can be stored in (`ofmt=`): bf16, or FP8 E4M3 held as its bytes (as
+#: codecs.fp8 holds its codes, so every part op works on them), saturating at +-448
+KEPT_FORMATS = ("bf16", "fp8")
+FP8_MAX = 448.0
+
+
+def store_kept(x: torch.Tensor, fmt: str = "bf16") -> torch.Tensor:
+    """Kept channels -> their stored form (`fmt` in KEPT_FORMATS)."""
+    if fmt == "fp8":
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return x.to(torch.bfloat16)
+
+
+def kept_values(kept: torch.Tensor) -> torch.Tensor:
+    """Stored kept channels (bf16, or FP8 bytes) -> float32."""
+    return kept.view(torch.float8_e4m3fn).float() if kept.dtype == torch.uint8 else kept.float()
 
 
 def outlier_channels(keys: torch.Tensor, count: int) -> torch.Tensor:
@@ -35,15 +49,15 @@ def channels(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return keys.gather(-1, _expand(idx, keys))
 
 
-def split_outliers(keys: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_outliers(keys: torch.Tensor, idx: torch.Tensor, fmt: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """`keys: [b, h, n, d]` -> (keys with the `idx` channels zeroed, those channels `[b, h, n, c]`
-    in OUTLIER_DTYPE)."""
-    return keys.scatter(-1, _expand(idx, keys), 0.0), channels(keys, idx).to(OUTLIER_DTYPE)
+    stored in `fmt`)."""
+    return keys.scatter(-1, _expand(idx, keys), 0.0), store_kept(channels(keys, idx), fmt)
 
 
 def merge_outliers(keys: torch.Tensor, kept: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Inverse of `split_outliers`: the kept channels `[b, h, n, c]` written back into `keys`."""
-    return keys.scatter(-1, _expand(idx, keys), kept.to(keys.dtype))
+    """Inverse of `split_outliers`: the kept channels `[b, h, n, c]` (stored form) written back into `keys`."""
+    return keys.scatter(-1, _expand(idx, keys), kept_values(kept).to(keys.dtype))
 
 
 def zero_channels(query: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ def _prepare(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor, outl
     grouped per channel) and V (rotated), plus the kept channels `[b, h, n, c]` or None."""
     kept = None
     if outliers is not None:
-        keys, kept = split_outliers(keys, outliers)
+        keys, kept = split_outliers(keys, outliers, recipe.outlier_fmt)
     r = recipe.rotation(keys.shape[-1])
     keys, values = rotate(keys, r), rotate(values, r)
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
@@ -71,7 +71,7 @@ def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor
                    reserve: int = 0, outliers: torch.Tensor | None = None) -> Segment:
     """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
     `reserve` spare tokens are allocated for later `append`s; `outliers: [b, h, c]` key channels are
-    kept apart in bf16 (the keys' `outliers` part)."""
+    kept apart in the recipe's `ofmt` (the keys' `outliers` part)."""
     kt, values, kept = _prepare(recipe, keys, values, outliers)
     encoded = []
     for codec, x in ((recipe.codec, kt), (recipe.value_codec, values)):

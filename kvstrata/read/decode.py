@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvstrata.codecs import QTensor
-from kvstrata.codecs.outliers import channels, merge_outliers, score_bias, zero_channels
+from kvstrata.codecs.outliers import channels, kept_values, merge_outliers, score_bias, zero_channels
 from kvstrata.codecs.rotation import rotate, unrotate
 from kvstrata.read.kernels import cpu
 
@@ -79,8 +79,8 @@ class EncodedView:
         return self._finish(torch.cat(out, -2), torch.cat(kept, -2) if self.outliers is not None else None)
 
     def kept(self) -> torch.Tensor:
-        """The outlier channels of every visible token, `[b, h, tokens, c]`."""
-        return torch.cat([self._kept(k, skip) for k, _, skip in self.runs], -2)
+        """The outlier channels of every visible token, `[b, h, tokens, c]` float32."""
+        return kept_values(torch.cat([self._kept(k, skip) for k, _, skip in self.runs], -2))
 
     def _kept(self, k: QTensor, skip: int) -> torch.Tensor | None:
         return None if self.outliers is None else k.parts["outliers"][:, :, skip:]
@@ -193,7 +193,7 @@ def decode_attention(
                                 scaling, softcap, idx, fused, bias)
     if view.outliers is not None:  # q.k = q_rest . codes + q_out . k_out (the kept channels, a bias)
         c = view.outliers
-        kept = torch.cat([view.kept().float(), channels(tail_k, c).float()], -2)
+        kept = torch.cat([view.kept(), channels(tail_k, c).float()], -2)
         extra = score_bias(query, c, kept)
         return decode_attention(zero_channels(query, c), replace(view, outliers=None), tail_k, tail_v,
                                 scaling, softcap, idx, fused, extra if bias is None else bias + extra)

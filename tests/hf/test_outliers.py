@@ -1,5 +1,5 @@
-"""Outlier key channels kept apart (`outliers=c`): chosen from the prefill, stored in bf16 beside the
-codes, counted in the bytes (key smoothing's divisors too), put back exactly (fused reads = the
+"""Outlier key channels kept apart (`outliers=c`): chosen from the prefill, stored in bf16 (or FP8,
+`ofmt=fp8`) beside the codes, counted in the bytes (key smoothing's divisors too), put back exactly (fused reads = the
 reference path, and the gain on an outlier channel: tests/hf/test_rotated_cache.py,
 tests/hf/test_smoothing.py; bad specs: tests/test_methods.py)."""
 
@@ -31,6 +31,18 @@ def test_the_largest_channels_are_split_off_and_put_back():
     assert rest.gather(-1, idx[..., None, :].expand(2, 3, 20, 2)).eq(0).all()
     back = merge_outliers(rest, kept, idx)
     torch.testing.assert_close(back, k, rtol=2**-8, atol=0)  # the kept channels at bf16 precision
+
+
+def test_fp8_kept_channels_round_to_e4m3_and_saturate():
+    k = torch.randn(1, 2, 16, 8) * 20
+    k[0, 0, 3, 5] = 1000.0  # beyond E4M3's range
+    idx = outlier_channels(k, 2)
+    rest, kept = split_outliers(k, idx, "fp8")
+    assert kept.dtype == torch.uint8 and kept.shape == (1, 2, 16, 2)  # one byte per channel
+    back = merge_outliers(rest, kept, idx)
+    assert back[0, 0, 3, 5] == 448.0
+    k[0, 0, 3, 5] = 448.0
+    torch.testing.assert_close(back, k, rtol=2**-4, atol=2**-9)  # E4M3: 3 mantissa bits
 
 
 def test_the_bias_and_the_zeroed_query_add_up_to_q_dot_k():
@@ -68,11 +80,12 @@ def test_exact_key_transforms_track_dense_and_count_what_they_hold(model, decode
 
 def test_a_key_row_gains_the_kept_channels():
     rows = []
-    for spec in ("nvfp4", "nvfp4:outliers=4"):
+    for spec in ("nvfp4", "nvfp4:outliers=4", "nvfp4:outliers=4,ofmt=fp8"):
         layer = CompressedLayer(parse_method(spec).full)
         layer.update(torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64))
         rows.append(layer.row_bytes(256))
     assert rows[1] == (rows[0][0] + 4 * 2, rows[0][1])  # a key row gains 4 bf16 channels
+    assert rows[2] == (rows[0][0] + 4, rows[0][1])  # ... or 4 FP8 ones
 
 
 def test_outlier_channels_are_chosen_once_from_the_prefill():

@@ -31,7 +31,7 @@ def test_rotated_bf16_tracks_dense_and_keeps_the_bytes(model, decode_logits):
                                   # outlier channels: a score bias beside the codes
                                   "nvfp4:outliers=2",
                                   "int4:r=8,keys=token,outliers=3,smooth=0.5,rot=hadamard",
-                                  "fp8:outliers=4+tova:keep=0.75",
+                                  "fp8:outliers=4+tova:keep=0.75", "nvfp4:outliers=3,ofmt=fp8,rot=hadamard",
                                   # values in their own codec (KIVI keys per channel beside NVFP4 values)
                                   "nvfp4:v=int2", "int2:r=8,v=nvfp4,rot=hadamard"])
 def test_fused_reads_equal_the_reference_path(model, decode_logits, spec):

@@ -21,7 +21,8 @@ def test_scale_keeps_the_keys_overall_size_and_q_dot_k():
     torch.testing.assert_close((q * s) @ (k / s).transpose(-1, -2), q @ k.transpose(-1, -2))
 
 
-@pytest.mark.parametrize("spec", ["nvfp4:smooth=0.5", "nvfp4:outliers=1", "int4:keys=token,r=0,outliers=1"])
+@pytest.mark.parametrize("spec", ["nvfp4:smooth=0.5", "nvfp4:outliers=1", "nvfp4:outliers=1,ofmt=fp8",
+                                  "int4:keys=token,r=0,outliers=1"])
 def test_an_outlier_channel_no_longer_sets_every_tokens_scale(spec):
     torch.manual_seed(0)
     k = torch.randn(1, 1, 64, 32)
