@@ -7,8 +7,7 @@ built on first use) codes are decoded a tile of tokens at a time inside an onlin
 query heads of a KV group share one pass over the codes; without it (build failed, or
 `KVSTRATA_KERNELS=reference`) the runs are decoded whole and attended (the reference path, also
 what tests compare the kernels with). On a CUDA device the Triton kernels
-(`kernels/triton_decode.py`) do the same (one codec for K and V, no score bias: otherwise the
-reference path). Sparse reads pass the positions to read (`idx`); outlier key channels held apart
+(`kernels/triton_decode.py`) do the same. Sparse reads pass the positions to read (`idx`); outlier key channels held apart
 enter as a score bias.
 """
 
@@ -100,11 +99,14 @@ def token_rows(q: QTensor, a: int, b: int) -> QTensor:
     return QTensor(q.codec, (*q.shape[:2], b - a, *q.shape[3:]), q.dtype, parts)
 
 
-def _describe(q: QTensor, channel: bool, skip: int, d: int):
-    codec = q.codec
+def _kind(codec, d: int) -> tuple[int, int]:
+    """The kernels' (kind, block) of a codec the kernels know, for head_dim `d`."""
     kind, block = _KINDS[codec.name]
-    if block is None:
-        block = getattr(codec, "block", 0) or getattr(codec, "group", 0) or d
+    return kind, block if block is not None else getattr(codec, "block", 0) or getattr(codec, "group", 0) or d
+
+
+def _describe(q: QTensor, channel: bool, skip: int, d: int):
+    kind, block = _kind(q.codec, d)
     parts = q.parts
     codes = parts.get("codes", parts.get("values"))
     length = q.shape[-1] if channel else q.shape[-2]
@@ -141,24 +143,15 @@ def kernel_args(view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor):
     return out
 
 
-def same_codecs(view: EncodedView) -> bool:
-    """Whether every run's K and V use the view's codec."""
-    return all(q.codec == view.codec for run in view.runs for q in run[:2])
-
-
 def triton_runs(view: EncodedView) -> list[tuple]:
-    """`view`'s runs as `kernels.triton_decode.attend` takes them."""
+    """`view`'s runs as `kernels.triton_decode.attend` takes them (K and V each with its own codec)."""
     out = []
     for k, v, skip in view.runs:
-        kind, block = _KINDS[view.codec.name]
         d = v.shape[-1]
-        if block is None:
-            block = getattr(view.codec, "block", 0) or getattr(view.codec, "group", 0) or d
+        (kkind, kblk), (vkind, vblk) = _kind(k.codec, d), _kind(v.codec, d)
         length = k.shape[-1] if view.key_channel else k.shape[-2]
         ts = [float(q.parts["tensor_scale"]) if "tensor_scale" in q.parts else 1.0 for q in (k, v)]
-        out.append(
-            (kind, view.key_channel, k.parts, v.parts, block or d, block or d, ts[0], ts[1], length, skip)
-        )
+        out.append((kkind, vkind, view.key_channel, k.parts, v.parts, kblk, vblk, ts[0], ts[1], length, skip))
     return out
 
 
@@ -204,11 +197,10 @@ def decode_attention(
         return unrotate(out, r)
     # a codec the kernels do not know: the reference path
     fused = fused and all(q.codec.name in _KINDS for run in view.runs for q in run[:2])
-    # the Triton kernels take no bias and one codec for K and V
-    if fused and query.device.type == "cuda" and bias is None and same_codecs(view):
+    if fused and query.device.type == "cuda":
         from kvstrata.read.kernels import triton_decode  # optional dependency: GPUs only
 
-        return triton_decode.attend(query, triton_runs(view), tail_k, tail_v, scaling, softcap, idx)
+        return triton_decode.attend(query, triton_runs(view), tail_k, tail_v, scaling, softcap, idx, bias=bias)
     module = cpu.load() if fused else None
     if module is not None and query.device.type == "cpu":
         q = query[:, :, 0].float().contiguous()

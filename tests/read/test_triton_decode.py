@@ -12,11 +12,11 @@ from kvstrata.read.kernels import triton_decode
 SPECS = ["bf16", "fp8", "fp8:block=32", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0", "int4:r=0,keys=token"]
 
 
-@pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("shape", [(1, 3, 1, 64), (2, 4, 2, 48)])
-def test_triton_equals_reference(spec, shape):
+def _setup(spec: str, shape: tuple, seed: int = 0):
+    """A view of two runs (the first with 5 hidden tokens, the second with spare rows), a tail of 3
+    tokens and a query."""
     b, hq, hk, d = shape
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     rec = parse_method(spec).full
     k, v = torch.randn(b, hk, 96, d, generator=g) * 2, torch.randn(b, hk, 96, d, generator=g)
     s1 = encode_segment(rec, k[..., :64, :], v[..., :64, :])
@@ -25,15 +25,35 @@ def test_triton_equals_reference(spec, shape):
                        (s1.keys, s1.values, 5), (s2.keys, s2.values, 0)])
     tk, tv = torch.randn(b, hk, 3, d, generator=g), torch.randn(b, hk, 3, d, generator=g)
     q = torch.randn(b, hq, 1, d, generator=g)
+    total = view.tokens + 3
+    idx = torch.stack([torch.randperm(total, generator=g)[:20].sort().values for _ in range(b * hk)])
+    return view, tk, tv, q, idx.reshape(b, hk, 20), g
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", [(1, 3, 1, 64), (2, 4, 2, 48)])
+def test_triton_equals_reference(spec, shape):
+    view, tk, tv, q, idx, _ = _setup(spec, shape)
     ref = decode_attention(q, view, tk, tv, 0.125, fused=False)
     torch.testing.assert_close(triton_decode.attend(
         q, triton_runs(view), tk, tv, 0.125), ref, rtol=1e-4, atol=1e-5)
     capped = decode_attention(q, view, tk, tv, 0.125, softcap=4.0, fused=False)
     torch.testing.assert_close(triton_decode.attend(q, triton_runs(view), tk, tv, 0.125, softcap=4.0), capped,
                                rtol=1e-4, atol=1e-5)
-    total = view.tokens + 3
-    idx = torch.stack([torch.randperm(total, generator=g)[
-                      :20].sort().values for _ in range(b * hk)]).reshape(b, hk, 20)
     ref = decode_attention(q, view, tk, tv, 0.125, idx=idx, fused=False)
     torch.testing.assert_close(triton_decode.attend(q, triton_runs(view), tk, tv, 0.125, idx=idx), ref,
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["nvfp4:v=int2", "int2:r=0,v=nvfp4", "fp8:v=mxfp4", "bf16"])
+def test_triton_takes_mixed_codecs_and_a_score_bias(spec):
+    """K and V in different codecs, and the score bias outlier channels add, dense and sparse."""
+    shape = (2, 4, 2, 48)
+    view, tk, tv, q, idx, g = _setup(spec, shape, seed=1)
+    bias = torch.randn(2, 4, view.tokens + 3, generator=g) * 3
+    for sparse in (None, idx):
+        ref = decode_attention(q, view, tk, tv, 0.125, idx=sparse, fused=False, bias=bias)
+        got = triton_decode.attend(q, triton_runs(view), tk, tv, 0.125, idx=sparse, bias=bias)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+        plain = decode_attention(q, view, tk, tv, 0.125, idx=sparse, fused=False)
+        assert (got - plain).abs().max() > 0.01  # the bias is not ignored

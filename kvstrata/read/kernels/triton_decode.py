@@ -5,7 +5,9 @@ it loads the codes and scales of the tile, decodes them in registers (E2M1 / E4M
 codes with fp16 scale and minimum, keys per token or grouped per channel), scores the tile against
 every query head of the KV group and folds it into an online softmax. Each run of encoded tokens
 (and the full-precision tail) gives partial (max, sum, output) states that `attend` merges, so no
-layer is ever decoded whole. Sparse reads pass per-run rows (-1 = nothing).
+layer is ever decoded whole. Sparse reads pass per-run rows (-1 = nothing). K and V each decode
+with their own codec (`v=`), and a score bias per visible token (outlier key channels held apart)
+is added before scaling.
 
 Tested on the CPU under `TRITON_INTERPRET=1`; fast on a CUDA GPU.
 """
@@ -112,10 +114,10 @@ def _decode(codes, scales, mins, tscale, rows, valid, bh, cs_bh, cs_t, ss_bh, ss
 
 @triton.jit
 def _attend_run(
-    Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA, n, skip, per_split, dim, kc_bh, kc_t, ks_bh,
-    ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t, idx_bh, scaling, softcap, G: tl.constexpr, D: tl.constexpr,
-    BN: tl.constexpr, KKIND: tl.constexpr, VKIND: tl.constexpr, KCHAN: tl.constexpr, KBLK: tl.constexpr,
-    VBLK: tl.constexpr, SPARSE: tl.constexpr,
+    Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA, BIAS, n, skip, per_split, dim, kc_bh, kc_t, ks_bh,
+    ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t, idx_bh, bias_n, bias_at, scaling, softcap, G: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, KKIND: tl.constexpr, VKIND: tl.constexpr, KCHAN: tl.constexpr,
+    KBLK: tl.constexpr, VBLK: tl.constexpr, SPARSE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -139,7 +141,11 @@ def _attend_run(
             KC, KS, KM, k_ts, rows, valid, bh, kc_bh, kc_t, ks_bh, ks_t, kc_d, ks_d, dim, D, KKIND, KCHAN,
             KBLK,
         )
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scaling  # [G, BN]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BN]
+        if HAS_BIAS:  # a score bias per visible token (outlier channels), before scaling
+            at = bias_at + rows - skip
+            s += tl.load(BIAS + (bh * G + g[:, None]) * bias_n + at[None, :], mask=valid[None, :], other=0.0)
+        s = s * scaling
         if softcap > 0:
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -172,7 +178,7 @@ def _flat(t: torch.Tensor | None, heads: int, like: torch.Tensor) -> torch.Tenso
     return t
 
 
-def _run_args(parts: dict, kind: int, channel: bool, heads: int, like):
+def _run_args(parts: dict, channel: bool, heads: int, like):
     codes = parts.get("codes", parts.get("values"))
     codes = _flat(codes, heads, like)
     if codes.dtype in (torch.float32, torch.bfloat16):
@@ -197,10 +203,12 @@ def _run_args(parts: dict, kind: int, channel: bool, heads: int, like):
 def attend(
     query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
     softcap: float | None = None, idx: torch.Tensor | None = None, block: int = 32,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`query: [b, hq, 1, d]` over `runs` — (kind, channel, k_parts, v_parts, k_block, v_block,
-    k_tscale, v_tscale, length, skip) per run, parts `[b, h, ...]` — then the tail `[b, h, t, d]`;
-    `idx: [b, h, m]` positions over all of them (sorted) or None. -> `[b, hq, d]` float32."""
+    """`query: [b, hq, 1, d]` over `runs` — (k_kind, v_kind, channel, k_parts, v_parts, k_block,
+    v_block, k_tscale, v_tscale, length, skip) per run, parts `[b, h, ...]` — then the tail
+    `[b, h, t, d]`; `idx: [b, h, m]` positions over all of them (sorted) or None; `bias: [b, hq, n]`
+    over every visible token, added to the scores before scaling. -> `[b, hq, d]` float32."""
     b, hq, _, dim = query.shape
     h = tail_k.shape[1]
     g = hq // h
@@ -208,12 +216,18 @@ def attend(
     q = torch.zeros(b * h, G, D, dtype=torch.float32, device=query.device)
     q[:, :g, :dim] = query[:, :, 0].float().reshape(b * h, g, dim)
     tail = (
-        F32, False, {"values": tail_k.float().contiguous()}, {"values": tail_v.float().contiguous()}, 0, 0,
-        1.0, 1.0, tail_k.shape[-2], 0,
+        F32, F32, False, {"values": tail_k.float().contiguous()}, {"values": tail_v.float().contiguous()}, 0,
+        0, 1.0, 1.0, tail_k.shape[-2], 0,
     )
+    if bias is not None:  # `[b * h, G, n]`: the query heads of a KV group padded to G
+        nb = bias.shape[-1]
+        bias_g = torch.zeros(b * h, G, nb, dtype=torch.float32, device=query.device)
+        bias_g[:, :g] = bias.float().reshape(b * h, g, nb)
+    else:
+        nb, bias_g = 0, torch.zeros(1, dtype=torch.float32, device=query.device)
     ms, ls, accs = [], [], []
     start = 0
-    for kind, channel, kp, vp, kblk, vblk, kts, vts, length, skip in [*runs, tail]:
+    for kkind, vkind, channel, kp, vp, kblk, vblk, kts, vts, length, skip in [*runs, tail]:
         visible = length - skip
         if idx is not None:
             local = idx.reshape(b * h, -1) - start
@@ -222,22 +236,23 @@ def attend(
             n = rows.shape[1]
         else:
             rows, n = torch.zeros(1, dtype=torch.int32, device=query.device), visible
-        start += visible
+        at, start = start, start + visible
         if n == 0:
             continue
         splits = max(1, min(32, n // (4 * block)))
         per = -(-n // splits)
         per = -(-per // block) * block
-        kc, ks, km, kcs, kss = _run_args(kp, kind if kind != F32 else F32, channel, h, q)
-        vc, vs, vm, vcs, vss = _run_args(vp, kind, False, h, q)
+        kc, ks, km, kcs, kss = _run_args(kp, channel, h, q)
+        vc, vs, vm, vcs, vss = _run_args(vp, False, h, q)
         om = torch.empty(b * h, splits, G, device=q.device)
         ol = torch.empty_like(om)
         oa = torch.empty(b * h, splits, G, D, device=q.device)
         _attend_run[(b * h, splits)](
-            q, kc, ks, km, vc, vs, vm, float(kts), float(vts), rows, om, ol, oa, n, skip, per, dim, kcs[0],
-            kcs[1], kss[0], kss[1], kcs[2], kss[2], vcs[0], vcs[1], vss[0], vss[1],
-            rows.stride(0) if idx is not None else 0, float(scaling), float(softcap or 0.0), G=G, D=D,
-            BN=block, KKIND=kind, VKIND=kind, KCHAN=channel, KBLK=kblk, VBLK=vblk, SPARSE=idx is not None,
+            q, kc, ks, km, vc, vs, vm, float(kts), float(vts), rows, om, ol, oa, bias_g, n, skip, per, dim,
+            kcs[0], kcs[1], kss[0], kss[1], kcs[2], kss[2], vcs[0], vcs[1], vss[0], vss[1],
+            rows.stride(0) if idx is not None else 0, nb, at, float(scaling), float(softcap or 0.0), G=G, D=D,
+            BN=block, KKIND=kkind, VKIND=vkind, KCHAN=channel, KBLK=kblk, VBLK=vblk, SPARSE=idx is not None,
+            HAS_BIAS=bias is not None,
         )
         ms.append(om)
         ls.append(ol)
