@@ -3,9 +3,10 @@
 A few key channels per head carry magnitudes far above the rest, so in a per-token block they set
 the scale every other channel is quantized with. Per layer and KV head, the `c` channels with the
 largest prefill key magnitude are stored beside the codes (in bf16, or in FP8 E4M3 for half the
-bytes), and the codes hold the keys with those channels zeroed. Attention then splits `q.k = q_rest . k_codes + q_out . k_out`: the codes are
-read with the outlier channels of the query zeroed, and the second term is a score bias computed
-from the bf16 channels. Values are not split (their channels carry no such outliers).
+bytes), and the codes hold the keys with those channels zeroed. Attention then splits
+`q.k = q_rest . k_codes + q_out . k_out`: the codes are read with the outlier channels of the
+query zeroed, and the second term is a score bias computed from the kept channels. Values are not
+split (their channels carry no such outliers).
 """
 
 from __future__ import annotations
@@ -49,14 +50,16 @@ def channels(keys: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return keys.gather(-1, _expand(idx, keys))
 
 
-def split_outliers(keys: torch.Tensor, idx: torch.Tensor, fmt: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+def split_outliers(
+    keys: torch.Tensor, idx: torch.Tensor, fmt: str = "bf16"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`keys: [b, h, n, d]` -> (keys with the `idx` channels zeroed, those channels `[b, h, n, c]`
     stored in `fmt`)."""
     return keys.scatter(-1, _expand(idx, keys), 0.0), store_kept(channels(keys, idx), fmt)
 
 
 def merge_outliers(keys: torch.Tensor, kept: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Inverse of `split_outliers`: the kept channels `[b, h, n, c]` (stored form) written back into `keys`."""
+    """Inverse of `split_outliers`: the kept channels `[b, h, n, c]` (as stored) written back."""
     return keys.scatter(-1, _expand(idx, keys), kept_values(kept).to(keys.dtype))
 
 

@@ -7,8 +7,8 @@ built on first use) codes are decoded a tile of tokens at a time inside an onlin
 query heads of a KV group share one pass over the codes; without it (build failed, or
 `KVSTRATA_KERNELS=reference`) the runs are decoded whole and attended (the reference path, also
 what tests compare the kernels with). On a CUDA device the Triton kernels
-(`kernels/triton_decode.py`) do the same. Sparse reads pass the positions to read (`idx`); outlier key channels held apart
-enter as a score bias.
+(`kernels/triton_decode.py`) do the same. Sparse reads pass the positions to read (`idx`);
+outlier key channels held apart enter as a score bias.
 """
 
 from __future__ import annotations
@@ -200,7 +200,8 @@ def decode_attention(
     if fused and query.device.type == "cuda":
         from kvstrata.read.kernels import triton_decode  # optional dependency: GPUs only
 
-        return triton_decode.attend(query, triton_runs(view), tail_k, tail_v, scaling, softcap, idx, bias=bias)
+        runs = triton_runs(view)
+        return triton_decode.attend(query, runs, tail_k, tail_v, scaling, softcap, idx, bias=bias)
     module = cpu.load() if fused else None
     if module is not None and query.device.type == "cpu":
         q = query[:, :, 0].float().contiguous()

@@ -1,6 +1,6 @@
 """Outlier key channels kept apart (`outliers=c`): chosen from the prefill, stored in bf16 (or FP8,
-`ofmt=fp8`) beside the codes, counted in the bytes (key smoothing's divisors too), put back exactly (fused reads = the
-reference path, and the gain on an outlier channel: tests/hf/test_rotated_cache.py,
+`ofmt=fp8`) beside the codes, counted in the bytes (key smoothing's divisors too), put back exactly
+(fused reads = the reference path, and the gain on an outlier channel: tests/hf/test_rotated_cache.py,
 tests/hf/test_smoothing.py; bad specs: tests/test_methods.py)."""
 
 import pytest
