@@ -1,5 +1,10 @@
 """Decode attention straight from encoded KV equals decode-then-attend, for every registered codec."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -25,6 +30,20 @@ SHAPES = [(1, 9, 3, 64), (2, 4, 1, 256), (1, 2, 2, 48)]
 
 def test_the_kernel_builds_here():
     assert cpu.load() is not None, "the C++ decode kernel must build on this machine (gcc is there)"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
+    """torch's lock file, left in the build directory by a process killed mid-build, made every
+    later process wait on it forever."""
+    assert cpu.load() is not None
+    built = cpu._cache_root() / cpu.build_key()
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", "build.flock"))
+    (copy / "lock").touch()  # as a killed holder leaves it
+    env = {**os.environ, "KVSTRATA_CACHE": str(tmp_path)}
+    code = "from kvstrata.read.kernels import cpu; assert cpu.load() is not None"
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=240, check=True)
+    assert not (copy / "lock").exists()
 
 
 def _view(spec, shape, seed=0, lengths=(64, 37, 1)):

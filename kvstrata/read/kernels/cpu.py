@@ -3,11 +3,14 @@
 Built with torch's `cpp_extension` for this machine (`-O3 -march=native`, OpenMP through torch's own
 runtime) into `$KVSTRATA_CACHE/kernels/<hash>`, keyed by the source, torch's version and the CPU,
 so a rebuild happens only when one of them changes. If the build fails, callers fall back to the
-reference path and a one-line warning says why. `KVSTRATA_KERNELS=reference` skips it.
+reference path and a one-line warning says why. `KVSTRATA_KERNELS=reference` skips it. Processes
+take turns on the build directory through an OS file lock, which dies with its holder: torch's own
+lock file outlives a process killed mid-build and would make every later one wait forever.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -57,10 +60,13 @@ def load(verbose: bool = False):
         build_dir = _cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            module = cpp_extension.load(
-                name=f"kvstrata_decode_{key}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose,
-            )
+            with open(build_dir / "build.flock", "w") as turn:
+                fcntl.flock(turn, fcntl.LOCK_EX)
+                (build_dir / "lock").unlink(missing_ok=True)  # torch's: left by a holder that died
+                module = cpp_extension.load(
+                    name=f"kvstrata_decode_{key}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose,
+                )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference path
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             first = next((line for line in lines if "error" in line.lower()), lines[0])
