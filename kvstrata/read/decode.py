@@ -99,14 +99,13 @@ def token_rows(q: QTensor, a: int, b: int) -> QTensor:
     return QTensor(q.codec, (*q.shape[:2], b - a, *q.shape[3:]), q.dtype, parts)
 
 
-def _kind(codec, d: int) -> tuple[int, int]:
-    """The kernels' (kind, block) of a codec the kernels know, for head_dim `d`."""
-    kind, block = _KINDS[codec.name]
-    return kind, block if block is not None else getattr(codec, "block", 0) or getattr(codec, "group", 0) or d
-
-
 def _describe(q: QTensor, channel: bool, skip: int, d: int):
-    kind, block = _kind(q.codec, d)
+    """One QTensor as the kernels take it: ([codes, scales, mins], [kind, channel, length, skip,
+    block], tensor scale)."""
+    codec = q.codec
+    kind, block = _KINDS[codec.name]
+    if block is None:
+        block = getattr(codec, "block", 0) or getattr(codec, "group", 0) or d
     parts = q.parts
     codes = parts.get("codes", parts.get("values"))
     length = q.shape[-1] if channel else q.shape[-2]
@@ -148,10 +147,9 @@ def triton_runs(view: EncodedView) -> list[tuple]:
     out = []
     for k, v, skip in view.runs:
         d = v.shape[-1]
-        (kkind, kblk), (vkind, vblk) = _kind(k.codec, d), _kind(v.codec, d)
-        length = k.shape[-1] if view.key_channel else k.shape[-2]
-        ts = [float(q.parts["tensor_scale"]) if "tensor_scale" in q.parts else 1.0 for q in (k, v)]
-        out.append((kkind, vkind, view.key_channel, k.parts, v.parts, kblk, vblk, ts[0], ts[1], length, skip))
+        _, (kkind, _, length, _, kblk), kts = _describe(k, view.key_channel, skip, d)
+        _, (vkind, *_, vblk), vts = _describe(v, False, skip, d)
+        out.append((kkind, vkind, view.key_channel, k.parts, v.parts, kblk, vblk, kts, vts, length, skip))
     return out
 
 
