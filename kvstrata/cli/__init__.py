@@ -1,4 +1,5 @@
-"""`kvstrata` command line: the parser and entry point; `commands` holds what each subcommand does."""
+"""`kvstrata` command line: the parser and entry point; `commands` and `evidence` (the measurement
+subcommands) hold what each subcommand does."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from kvstrata.cli import commands as c
+from kvstrata.cli import evidence as e
 from kvstrata.cli import serve
 from kvstrata.cli.inputs import BIG, SEED, float_in, int_in, nonempty
 
@@ -133,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--tokens", type=int_in(16, BIG), default=2048)
     ds.add_argument("--group", type=int_in(2, 64), default=4)
     ds.add_argument("--out", default="docs/results/depth")
-    ds.set_defaults(func=c.cmd_depth_similarity)
+    ds.set_defaults(func=e.cmd_depth_similarity)
 
     da = sub.add_parser("depth-ablation", help="FreqDepthKV G / F / r / tolerance / norm swept in the bench")
     da.add_argument("--model", default="smollm2-135m")
@@ -141,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("--n", type=int_in(1, 100_000), default=3, help="instances per task")
     da.add_argument("--methods", help="comma-separated specs (default: the built-in grid, bf16 first)")
     da.add_argument("--out", default="docs/results", help="bench directory; rows go to OUT/depth-ablation")
-    da.set_defaults(func=c.cmd_depth_ablation)
+    da.set_defaults(func=e.cmd_depth_ablation)
 
     ch = sub.add_parser("chat",
                         help="multi-turn session over the persistent store: hit / replay / miss per turn")
@@ -161,14 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     to.add_argument("--tokens", type=int_in(16, BIG), default=4096)
     to.add_argument("--k", type=int_in(1, BIG), default=256, help="at most --tokens")
     to.add_argument("--out", default="docs/results/read")
-    to.set_defaults(func=c.cmd_topk_overlap)
+    to.set_defaults(func=e.cmd_topk_overlap)
 
     vp = sub.add_parser("v41-prefill", help="V4.1 half-depth (CED) prefill vs the same-size full-depth model")
     vp.add_argument("--preset", default="small-v41")
     vp.add_argument("--factor", type=int_in(1, 1024), default=16, help="prompt length in units of n_win")
     vp.add_argument("--repeats", type=int_in(1, 1000), default=5)
     vp.add_argument("--out", help="write the measurement as JSON here")
-    vp.set_defaults(func=c.cmd_v41_prefill)
+    vp.set_defaults(func=e.cmd_v41_prefill)
 
     tr = sub.add_parser("train-ref", help="train tiny V4.1 and a same-size dense transformer on recall")
     tr.add_argument("--preset", default="tiny-v41")
@@ -181,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--override", help="JSON object of V41Config fields for both models, e.g. "
                     "'{\"layer_modes\": [\"full\", ...], \"compress\": [1, ...]}'")
     tr.add_argument("--out", default="runs/train-ref")
-    tr.set_defaults(func=c.cmd_train_ref)
+    tr.set_defaults(func=e.cmd_train_ref)
 
     serve.add_parsers(sub)  # serve, serve-bench
     kb = sub.add_parser("kernels-bench",
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="whose head shapes: smollm2-135m, gemma3-270m")
     kb.add_argument("--repeats", type=int_in(1, 1000), default=9)
     kb.add_argument("--out", default="docs/results/kernels")
-    kb.set_defaults(func=c.cmd_kernels_bench)
+    kb.set_defaults(func=e.cmd_kernels_bench)
 
     mb = sub.add_parser("memory-bench",
                         help="peak RSS of `generate` on a long prompt vs the KV it holds, per codec")
@@ -203,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated specs")
     mb.add_argument("--chunks", default="512,0", help="comma-separated --prefill-chunk values (0 = one pass)")
     mb.add_argument("--out", default="docs/results/kernels")
-    mb.set_defaults(func=c.cmd_memory_bench)
+    mb.set_defaults(func=e.cmd_memory_bench)
 
     me = sub.add_parser("methods", help="list registered methods")
     me.add_argument("--markdown", action="store_true",
