@@ -74,10 +74,10 @@ def test_methods_and_models_list(capsys):
 
 
 def test_method_lists_split_between_specs_not_inside_them():
-    from kvstrata.cli.commands import _split_methods
+    from kvstrata.cli.inputs import split_methods
 
     text = ("bf16,nvfp4:rot=hadamard;layers[17-18,20]=fp8;layers[11]=int2:r=32,rot=hadamard,layers[0-3]=fp8,"
             "int2:r=32,group=8,full=fp8;sliding=bf16")
     tuned = "nvfp4:rot=hadamard;layers[17-18,20]=fp8;layers[11]=int2:r=32,rot=hadamard"
     expected = ["bf16", tuned, "layers[0-3]=fp8", "int2:r=32,group=8", "full=fp8;sliding=bf16"]
-    assert _split_methods(text) == expected
+    assert split_methods(text) == expected

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from kvstrata.cli.inputs import check_context, csv_items, length_arg, parse_method_early, split_methods
+
 
 def cmd_methods(args) -> int:
     from kvstrata.cli.methods_doc import defaults, markdown
@@ -93,7 +95,7 @@ def cmd_passkey(args) -> int:
     from kvstrata.models import load
 
     specs = [parse_method(m) for m in args.methods.split("|")]
-    _check_context(args.model, args.tokens, "--tokens")
+    check_context(args.model, args.tokens, "--tokens")
     model, tok = load(args.model)
     p = passkey_prompt(tok, args.tokens, args.depth, seed=args.seed)
     ids = tok(p.context + p.question, return_tensors="pt").input_ids
@@ -111,17 +113,6 @@ def cmd_passkey(args) -> int:
     return 0
 
 
-def parse_method_early(text: str) -> None:
-    """Refuse a bad method spec before any model loads."""
-    from kvstrata.methods import parse_method
-
-    parse_method(text)
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def cmd_bench(args) -> int:
     from kvstrata.bench.peers import DEFAULT_PEERS, parse_peer
     from kvstrata.bench.report import write_report
@@ -134,16 +125,16 @@ def cmd_bench(args) -> int:
     if args.methods == "none":
         methods = []
     else:
-        methods = _split_methods(args.methods) if args.methods else q.get("methods", DEFAULT_METHODS)
+        methods = split_methods(args.methods) if args.methods else q.get("methods", DEFAULT_METHODS)
     for m in methods:
         if m != "dynamic":
             parse_method(m)  # fail before any model loads
-    peers = () if args.peers is None else DEFAULT_PEERS if args.peers == "default" else _csv(args.peers)
+    peers = () if args.peers is None else DEFAULT_PEERS if args.peers == "default" else csv_items(args.peers)
     for p in peers:
         parse_peer(p)
-    models = _csv(args.model) if args.model else q.get("models", ("smollm2-135m",))
+    models = csv_items(args.model) if args.model else q.get("models", ("smollm2-135m",))
     lengths = (
-        tuple(_length(x, "--lengths") for x in _csv(args.lengths))
+        tuple(length_arg(x, "--lengths") for x in csv_items(args.lengths))
         if args.lengths
         else q.get("lengths", (2048,))
     )
@@ -152,17 +143,17 @@ def cmd_bench(args) -> int:
         name, _, own = m.partition("@")
         check_model(name)  # fail before any model loads
         pairs += (
-            [(name, _length(x, f"--model {m}")) for x in own.split("/")]
+            [(name, length_arg(x, f"--model {m}")) for x in own.split("/")]
             if own
             else [(name, L) for L in lengths]
         )
     for name, L in pairs:
-        _check_context(name, L, "--lengths" if not args.model or "@" not in args.model else "--model")
+        check_context(name, L, "--lengths" if not args.model or "@" not in args.model else "--model")
     cfg = BenchConfig(
         models=tuple(p[0] for p in pairs),
         lengths=lengths,
         pairs=tuple(pairs),
-        tasks=_csv(args.tasks) if args.tasks else TASKS,
+        tasks=csv_items(args.tasks) if args.tasks else TASKS,
         methods=tuple(methods),
         n=args.n if args.n is not None else q.get("n", 20),
         seed=args.seed,
@@ -183,14 +174,14 @@ def cmd_tune(args) -> int:
 
     cfg = TuneConfig(
         model=args.model, length=args.length,
-        ladder=tuple(_split_methods(args.ladder)) if args.ladder else DEFAULT_LADDER,
-        tasks=_csv(args.tasks) if args.tasks else RETRIEVAL, calib=_indices(args.calib, "--calib"),
+        ladder=tuple(split_methods(args.ladder)) if args.ladder else DEFAULT_LADDER,
+        tasks=csv_items(args.tasks) if args.tasks else RETRIEVAL, calib=_indices(args.calib, "--calib"),
         heldout=_indices(args.heldout, "--heldout"), max_drop=args.max_drop, top1=args.top1, bytes=args.bytes,
         seed=args.seed, haystack=args.haystack, kv_apart=args.kv_apart, out=Path(args.out),
     )
     cfg.check()  # before any model loads
     check_model(args.model)
-    _check_context(args.model, args.length, "--length")
+    check_context(args.model, args.length, "--length")
     cert = tune(cfg)
     held = cert["heldout"]
     delta = held["delta_vs_bf16"]
@@ -219,47 +210,6 @@ def _indices(text: str, flag: str) -> tuple[int, ...]:
     return parse_ranges(text, flag, "an instance index", 10**6)
 
 
-def _length(text: str, where: str) -> int:
-    """A context length in tokens, or a clear error naming where it came from."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{where}: context length {text!r} is not a positive whole number of tokens")
-    return n
-
-
-def _split_methods(text: str) -> list[str]:
-    """Methods are comma-separated, but a spec has commas too: split only before a method name (or a
-    spec that starts with a per-layer or per-class override, `layers[...]=` / `full=` / `sliding=`)."""
-    import re
-
-    from kvstrata.methods import METHODS
-
-    out: list[str] = []
-    for piece in text.split(","):
-        name = piece.split(":")[0].split("+")[0].split(";")[0].strip().lower()
-        starts = name in METHODS or name == "dynamic" or re.match(r"\s*(layers\[|(full|sliding)\s*=)", piece)
-        if out and not starts:
-            out[-1] += "," + piece
-        else:
-            out.append(piece.strip())
-    return out
-
-
-def _check_context(model: str, tokens: int, flag: str) -> None:
-    """Refuse a length past the model's context, from its config alone (no weights loaded)."""
-    from transformers import AutoConfig
-
-    from kvstrata.models import resolve
-
-    config = AutoConfig.from_pretrained(resolve(model), local_files_only=True)
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit and tokens > limit:
-        raise ValueError(f"{flag}: {tokens:,} tokens exceed {model}'s context of {limit:,} tokens")
-
-
 def cmd_report(args) -> int:
     from kvstrata.bench.report import write_report
 
@@ -268,7 +218,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_check_lengths(args) -> int:
-    from kvstrata.bench.lengths import MOVED, check, table
+    from kvstrata.bench.lengths import MOVED, check, pending, pending_table, table
     from kvstrata.models import load_tokenizer
 
     off, total = check(Path(args.dir), load_tokenizer, args.drop, args.seed)
@@ -276,6 +226,10 @@ def cmd_check_lengths(args) -> int:
         print(table(off))
     where = f"; moved to {Path(args.dir) / MOVED}" if args.drop and off else ""
     print(f"{len(off)} of {total} rows were fed a context their nominal length does not allow{where}")
+    moved, left = pending(Path(args.dir))
+    if moved:
+        print(f"{moved - len(left)} of the {moved} rows in {MOVED} have been rerun at their length"
+              + (f"; {len(left)} have not:\n\n{pending_table(left)}" if left else ""))
     return 0
 
 
@@ -325,7 +279,7 @@ def cmd_store_bench(args) -> int:
     from kvstrata.bench.store_evidence import run
 
     parse_method_early(args.method)
-    _check_context(args.model, args.tokens + 32, "--tokens (+ 32 continuation tokens)")
+    check_context(args.model, args.tokens + 32, "--tokens (+ 32 continuation tokens)")
     result = run(args.model, args.tokens, Path(args.out), args.method)
     print(json.dumps(result, indent=1))
     return 0

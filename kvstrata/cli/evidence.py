@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvstrata.cli.commands import _check_context, _csv, _length, _split_methods, parse_method_early
+from kvstrata.cli.inputs import check_context, csv_items, length_arg, parse_method_early, split_methods
 
 
 def cmd_depth_similarity(args) -> int:
     from kvstrata.bench.depth_similarity import run
 
-    for name in _csv(args.model):
-        _check_context(name, args.tokens, "--tokens")
-    results = run(list(_csv(args.model)), args.tokens, args.group, Path(args.out))
+    for name in csv_items(args.model):
+        check_context(name, args.tokens, "--tokens")
+    results = run(list(csv_items(args.model)), args.tokens, args.group, Path(args.out))
     for name, r in results.items():
         mean = lambda rows: sum(map(sum, rows)) / sum(map(len, rows))  # noqa: E731
         print(
@@ -31,7 +31,7 @@ def cmd_depth_ablation(args) -> int:
     from kvstrata.bench.results import ReportInput
     from kvstrata.bench.runner import run
 
-    methods = _split_methods(args.methods) if args.methods else depth_ablation.GRID
+    methods = split_methods(args.methods) if args.methods else depth_ablation.GRID
     cfg = depth_ablation.config(args.model, args.length, args.n, Path(args.out), tuple(methods))
     run(cfg)
     print(depth_ablation.report_section(ReportInput(Path(args.out))))
@@ -45,9 +45,9 @@ def cmd_topk_overlap(args) -> int:
 
     if args.k > args.tokens:
         raise ValueError(f"--k: {args.k} is more than --tokens {args.tokens}")
-    for name in _csv(args.model):
-        _check_context(name, args.tokens, "--tokens")
-    for name, r in run(list(_csv(args.model)), args.tokens, args.k, Path(args.out)).items():
+    for name in csv_items(args.model):
+        check_context(name, args.tokens, "--tokens")
+    for name, r in run(list(csv_items(args.model)), args.tokens, args.k, Path(args.out)).items():
         adj = r["adjacent"]
         print(
             f"{name}: mean top-{r['k']} overlap of adjacent full-attention layers "
@@ -111,8 +111,8 @@ def cmd_train_ref(args) -> int:
 def cmd_kernels_bench(args) -> int:
     from kvstrata.bench import kernels
 
-    lengths = [_length(x, "--lengths") for x in _csv(args.lengths)]
-    shapes = _csv(args.shapes)
+    lengths = [length_arg(x, "--lengths") for x in csv_items(args.lengths)]
+    shapes = csv_items(args.shapes)
     for s in shapes:
         if s not in kernels.SHAPES:
             raise ValueError(f"--shapes: unknown shape {s!r} (known: {', '.join(kernels.SHAPES)})")
@@ -125,15 +125,15 @@ def cmd_memory_bench(args) -> int:
     from kvstrata.bench import memory
     from kvstrata.models.loader import check as check_model
 
-    methods = _split_methods(args.methods)
+    methods = split_methods(args.methods)
     for m in methods:
         parse_method_early(m)
     chunks = []
-    for x in _csv(args.chunks):
+    for x in csv_items(args.chunks):
         if not x.isdigit():
             raise ValueError(f"--chunks: {x!r} is not a whole number of tokens (0 = one pass)")
         chunks.append(int(x))
     check_model(args.model)
-    _check_context(args.model, args.tokens + 8, "--tokens")
+    check_context(args.model, args.tokens + 8, "--tokens")
     print(f"results: {memory.run(args.model, args.tokens, methods, chunks, Path(args.out))}")
     return 0

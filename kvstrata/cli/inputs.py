@@ -74,3 +74,56 @@ def check_fits(model, prompt_tokens: int, new_tokens: int, what: str = "the prom
     if prompt_tokens + new_tokens > limit:
         raise ValueError(f"{what} is {prompt_tokens:,} tokens; with {new_tokens:,} new tokens ({new_what}) "
                          f"that exceeds the model's context of {limit:,} tokens")
+
+
+def parse_method_early(text: str) -> None:
+    """Refuse a bad method spec before any model loads."""
+    from kvstrata.methods import parse_method
+
+    parse_method(text)
+
+
+def csv_items(text: str) -> tuple[str, ...]:
+    """`a, b,,c` -> ('a', 'b', 'c')."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def length_arg(text: str, where: str) -> int:
+    """A context length in tokens, or a clear error naming where it came from."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{where}: context length {text!r} is not a positive whole number of tokens")
+    return n
+
+
+def split_methods(text: str) -> list[str]:
+    """Methods are comma-separated, but a spec has commas too: split only before a method name (or a
+    spec that starts with a per-layer or per-class override, `layers[...]=` / `full=` / `sliding=`)."""
+    import re
+
+    from kvstrata.methods import METHODS
+
+    out: list[str] = []
+    for piece in text.split(","):
+        name = piece.split(":")[0].split("+")[0].split(";")[0].strip().lower()
+        starts = name in METHODS or name == "dynamic" or re.match(r"\s*(layers\[|(full|sliding)\s*=)", piece)
+        if out and not starts:
+            out[-1] += "," + piece
+        else:
+            out.append(piece.strip())
+    return out
+
+
+def check_context(model: str, tokens: int, flag: str) -> None:
+    """Refuse a length past the model's context, from its config alone (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from kvstrata.models import resolve
+
+    config = AutoConfig.from_pretrained(resolve(model), local_files_only=True)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit and tokens > limit:
+        raise ValueError(f"{flag}: {tokens:,} tokens exceed {model}'s context of {limit:,} tokens")
