@@ -133,6 +133,16 @@ def test_check_lengths_finds_and_drops_a_short_row(bench_dir, tmp_path, capsys):
     )
     assert "1 of 42 rows" in out
     assert len(rows(work / "results.jsonl")) == 41 and rows(work / "short-rows.jsonl") == [legacy]
+    out = run(capsys, f"check-lengths {work}")
+    assert "0 of 41 rows" in out
+    assert "0 of the 1 rows in short-rows.jsonl have been rerun at their length; 1 have not" in out
+    r = legacy
+    assert f"| {r['model']} | {r['length']} | `{r['method']}` | {r['task']} | 0 | 1 |" in out
+    with (work / "results.jsonl").open("a") as f:  # the rerun, at its length
+        f.write(json.dumps(rs[0]) + "\n")
+    assert run(capsys, f"check-lengths {work}").endswith(
+        "1 of the 1 rows in short-rows.jsonl have been rerun at their length\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ their question's tokens get them from the task's question drawn again (the same 
 task but `multikey`, whose asked key was drawn later then: at most a word's tokens apart).
 
 `--drop` moves the offending rows to `DIR/short-rows.jsonl`; rerunning the bench commands that wrote
-them (the bench is resumable) then redoes exactly those rows.
+them (the bench is resumable) then redoes exactly those rows, and `pending` says which are still to redo.
 """
 
 from __future__ import annotations
@@ -106,6 +106,36 @@ def check(out: Path, load_tokenizer, drop: bool = False, seed: int | None = None
         tmp.write_text("".join(line + "\n" for line, r in zip(lines, rows) if id(r) not in ids))
         os.replace(tmp, path)
     return off, sum(r is not None for r in rows)
+
+
+def _key(row: dict) -> tuple:
+    return row["model"], row["length"], row["task"], row["method"], row["index"]
+
+
+def pending(out: Path) -> tuple[int, list[dict]]:
+    """(rows moved to `out/short-rows.jsonl`, those of them with no row in `out/results.jsonl` yet)."""
+    moved = _rows(out / MOVED)
+    done = {_key(r) for r in _rows(out / "results.jsonl")}
+    return len(moved), [r for r in moved if _key(r) not in done]
+
+
+def pending_table(left: list[dict]) -> str:
+    """Markdown: per model, length and method, the tasks and instances still to rerun."""
+    groups = defaultdict(list)
+    for r in left:
+        groups[(r["model"], r["length"], r["method"])].append(r)
+    lines = ["| model | length | method | tasks | instances | rows |", "|---|---|---|---|---|---|"]
+    for (model, length, method), group in sorted(groups.items()):
+        tasks = ", ".join(sorted({r["task"] for r in group}))
+        idx = sorted({r["index"] for r in group})
+        lines.append(f"| {model} | {length} | `{method}` | {tasks} | {_ranges(idx)} | {len(group)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [r for r in map(_row, path.read_text().splitlines()) if r is not None]
 
 
 def _row(line: str) -> dict | None:
