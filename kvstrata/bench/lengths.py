@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata.bench.haystack import special_tokens
+from kvstrata.bench.rows import done_keys, read_rows, row_key
 from kvstrata.bench.tasks import FIDELITY, draw, question_tokens
 
 MOVED = "short-rows.jsonl"
@@ -108,15 +109,11 @@ def check(out: Path, load_tokenizer, drop: bool = False, seed: int | None = None
     return off, sum(r is not None for r in rows)
 
 
-def _key(row: dict) -> tuple:
-    return row["model"], row["length"], row["task"], row["method"], row["index"]
-
-
 def pending(out: Path) -> tuple[int, list[dict]]:
     """(rows moved to `out/short-rows.jsonl`, those of them with no row in `out/results.jsonl` yet)."""
-    moved = _rows(out / MOVED)
-    done = {_key(r) for r in _rows(out / "results.jsonl")}
-    return len(moved), [r for r in moved if _key(r) not in done]
+    moved = read_rows(out / MOVED, skip_bad=True)[0] if (out / MOVED).is_file() else []
+    done = done_keys(out / "results.jsonl")  # what the resumable bench counts as done
+    return len(moved), [r for r in moved if row_key(r) not in done]
 
 
 def pending_table(left: list[dict]) -> str:
@@ -130,12 +127,6 @@ def pending_table(left: list[dict]) -> str:
         idx = sorted({r["index"] for r in group})
         lines.append(f"| {model} | {length} | `{method}` | {tasks} | {_ranges(idx)} | {len(group)} |")
     return "\n".join(lines) + "\n"
-
-
-def _rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [r for r in map(_row, path.read_text().splitlines()) if r is not None]
 
 
 def _row(line: str) -> dict | None:

@@ -82,3 +82,21 @@ def read_rows(path: Path, skip_bad: bool = False) -> tuple[list[dict], int]:
         raise BadRows(f"{path}: {len(bad)} bad row(s) ({shown}{more}); fix them, or pass --skip-bad to leave "
                       "them out")
     return rows, len(bad)
+
+
+def row_key(row: dict) -> tuple:
+    """What identifies a row: one method on one instance of one task at one model and length."""
+    return row["model"], row["length"], row["task"], row["index"], row["method"]
+
+
+def done_keys(path: Path) -> set[tuple]:
+    """The keys of the rows `path` holds (none if it does not exist); a line cut by an interrupted
+    run is not done (the bench redoes it)."""
+    keys = set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                keys.add(row_key(json.loads(line)))
+            except json.JSONDecodeError:
+                continue
+    return keys

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from kvstrata.bench import protocol
 from kvstrata.bench.peers import is_peer, parse_peer, qcache
 from kvstrata.bench.peers.worker_client import run_kvpress
+from kvstrata.bench.rows import done_keys
 from kvstrata.bench.tasks import (
     FIDELITY,
     KNOWN,
@@ -83,18 +84,6 @@ def family(spec: str) -> str:
     return "quantization" if quant else "reference"
 
 
-def _done(path: Path) -> set[tuple]:
-    keys = set()
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by an interrupted run: redone
-            keys.add((r["model"], r["length"], r["task"], r["index"], r["method"]))
-    return keys
-
-
 def run(cfg: BenchConfig, load_model=None) -> Path:
     """Run every missing cell; returns the JSONL path."""
 
@@ -107,7 +96,7 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     workers = [p for p in cfg.peers if peers[p].project == "kvpress"]
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / "results.jsonl"
-    done = _done(path)
+    done = done_keys(path)
     # instance index outermost: an interrupted run still covers every model, length and task
     cells = [(m, L, t, i) for i in range(cfg.n) for m, L in cfg.plan() for t in cfg.tasks]
     todo = [c for c in cells if any((*c, meth) not in done for meth in in_process)]
