@@ -48,7 +48,12 @@ def test_models_and_methods(capsys):
 
 
 @pytest.mark.parametrize(
-    "model, method, tokens", [("tiny-llama", "nvfp4:r=64", 1000), ("tiny-gemma3", "nvfp4;sliding=fp8", 4096)]
+    "model, method, tokens",
+    [
+        ("tiny-llama", "nvfp4:r=64", 1000), ("tiny-gemma3", "nvfp4;sliding=fp8", 4096),
+        # keep policies take their scores from the prefill through the attention hook, outside the bench
+        ("tiny-llama", "snapkv:keep=0.28", 1000), ("tiny-gemma3", "tova:keep=0.5+nvfp4:rot=hadamard", 3000),
+    ],
 )
 def test_generate(capsys, tmp_path, model, method, tokens):
     prompt = tmp_path / "prompt.txt"

@@ -40,13 +40,18 @@ def points(given: ReportInput) -> dict[tuple[str, int], list[dict]]:
         for m, summ in s["methods"].items():
             if m.startswith(f"{REFERENCE} (first"):
                 continue  # the reference on a subset: the pairing below does that job
-            delta = None if m == REFERENCE else paired_delta(scores_by_instance(rows, m, usable), ref)
+            mine = scores_by_instance(rows, m, usable)
             pts.append({
                 "method": m, "family": summ["family"], "bytes": summ["kv_bytes_per_token"],
                 "compression": summ["compression"], "retrieval": summ["retrieval"], "top1": summ["top1"],
-                "n": summ["n"], "delta": delta,
+                "n": summ["n"], "delta": None if m == REFERENCE else paired_delta(mine, ref),
+                # retrieval means compare only over the same questions: a row that skipped some of
+                # the reference's instances or tasks is shown, paired, and not ranked or judged
+                "ranked": mine.keys() >= ref.keys(),
             })
-        mark_frontier(pts, "bytes", "retrieval")
+        mark_frontier([p for p in pts if p["ranked"]], "bytes", "retrieval")
+        for p in pts:
+            p.setdefault("frontier", False)
         out[key] = sorted(pts, key=lambda p: -p["bytes"])
     return out
 
@@ -58,10 +63,11 @@ def _delta_cell(d: Delta | None) -> str:
 def target_lines(pts: list[dict]) -> list[str]:
     """Per target: the cheapest method that meets it on its paired instances, or how far the
     closest one is (a target is met when the paired drop's point estimate is within the slack and
-    top-1, where the target has a floor, was measured and reaches it)."""
+    top-1, where the target has a floor, was measured and reaches it). Only rows scored on every
+    question the reference was are judged: the targets are stated on all of them."""
     lines = []
     for budget, slack, floor, label in budgets(pts):
-        fits = [p for p in pts if p["bytes"] <= budget * 1.001 and p["delta"] is not None]
+        fits = [p for p in pts if p["bytes"] <= budget * 1.001 and p["delta"] is not None and p["ranked"]]
         met = [p for p in fits if p["delta"].mean >= -slack and (not floor or (p["top1"] or 0) >= floor)]
         if met:
             best = max(met, key=lambda p: p["compression"])
@@ -74,7 +80,8 @@ def target_lines(pts: list[dict]) -> list[str]:
                          f"Δ {best['delta'].text()}, top-1 {fmt(best['top1'])}; vs bf16: "
                          f"{best['delta'].verdict()}.")
         else:
-            lines.append(f"- {label} (≤ {budget:,.0f} B/token): no method measured at these bytes.")
+            lines.append(f"- {label} (≤ {budget:,.0f} B/token): no method scored on all of bf16's "
+                         "questions at these bytes.")
     return lines
 
 
@@ -87,10 +94,13 @@ def plot(key: tuple[str, int], pts: list[dict], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     scored = [p for p in pts if p["retrieval"] is not None]
     for p in scored:
-        ax.scatter(p["bytes"], p["retrieval"], color=FAMILY_COLOURS.get(p["family"], "tab:gray"),
-                   marker="*" if p["frontier"] else "o", s=90 if p["frontier"] else 30, zorder=3)
-        ax.annotate(p["method"], (p["bytes"], p["retrieval"]), fontsize=6, xytext=(3, 3),
-                    textcoords="offset points")
+        colour = FAMILY_COLOURS.get(p["family"], "tab:gray")
+        ax.scatter(p["bytes"], p["retrieval"], marker="*" if p["frontier"] else "o",
+                   s=90 if p["frontier"] else 30, zorder=3, edgecolors=colour,
+                   facecolors=colour if p["ranked"] else "none")
+        if p["frontier"] or p["method"] == REFERENCE:  # the rest are named in the table beside the plot
+            ax.annotate(p["method"], (p["bytes"], p["retrieval"]), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")
     front = sorted((p for p in scored if p["frontier"]), key=lambda p: p["bytes"])
     ax.step([p["bytes"] for p in front], [p["retrieval"] for p in front], where="post", color="black", lw=0.8)
     ref = next(p for p in pts if p["method"] == REFERENCE)
@@ -102,7 +112,8 @@ def plot(key: tuple[str, int], pts: list[dict], out: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("stored KV bytes per token (log)")
     ax.set_ylabel("retrieval (usable tasks)")
-    ax.set_title(f"{key[0]} @ {key[1]}: quality per byte (★ frontier; red: targets)")
+    ax.set_title(f"{key[0]} @ {key[1]}: quality per byte (★ frontier; hollow: fewer instances, "
+                 "not ranked; red: targets)", fontsize=9)
     fig.tight_layout()
     path = out / f"frontier_{key[0]}_{key[1]}.png"
     fig.savefig(path, dpi=110)
@@ -120,7 +131,9 @@ def report_section(given: ReportInput) -> str:
         "Every method and peer against bf16. Δ = retrieval minus bf16's on exactly the instances both "
         "ran, in points, with a 95 % interval from a bootstrap over instances (resampled within each task) "
         "and the number of paired questions; an interval that contains 0 means the data cannot tell the "
-        "two apart. ★ = on the frontier (nothing stores fewer bytes and retrieves more).\n",
+        "two apart. ★ = on the frontier (nothing stores fewer bytes and retrieves more); rows scored on "
+        "fewer questions than bf16 (fewer instances or tasks) are paired but neither ranked nor judged "
+        "against the targets (`n <` in the frontier column; hollow in the plot).\n",
     ]
     for key, pts in sorted(found.items()):
         lines += [f"### {key[0]}, {key[1]} tokens\n", *target_lines(pts), "",
@@ -132,7 +145,7 @@ def report_section(given: ReportInput) -> str:
                 f"| `{p['method']}` | {p['family']} | {fmt(p['bytes'], '{:,.0f}')} | "
                 f"{fmt(p['compression'])} | {fmt(p['retrieval'])} | {_delta_cell(p['delta'])} | "
                 f"{fmt(p['top1'])} | "
-                f"{'★' if p['frontier'] else ''} |"
+                f"{'★' if p['frontier'] else '' if p['ranked'] else 'n <'} |"
             )
         lines.append(f"\n![frontier {key[0]} {key[1]}]({plot(key, pts, given.out).name})\n")
     return "\n".join(lines)

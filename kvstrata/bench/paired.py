@@ -27,7 +27,8 @@ class Delta:
 
     def text(self) -> str:
         """`+5 [-2, +12] (n=40)`: in points (score x 100)."""
-        return f"{self.mean * 100:+.0f} [{self.lo * 100:+.0f}, {self.hi * 100:+.0f}] (n={self.n})"
+        pts = lambda v: f"{round(v * 100):+d}"  # noqa: E731  (an int: float noise never prints as -0)
+        return f"{pts(self.mean)} [{pts(self.lo)}, {pts(self.hi)}] (n={self.n})"
 
     def verdict(self, margin: float = 0.0) -> str:
         """'ahead' / 'behind' when the whole interval lies beyond `+margin` / `-margin`, else 'not

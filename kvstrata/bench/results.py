@@ -62,16 +62,16 @@ def summarise(rows: list[dict]) -> dict:
             per_task = {t: avg([r["score"] for r in mr if r["task"] == t]) for t in tasks}
             ranked = [per_task[t] for t in tasks if t in RETRIEVAL and usable.get(t)]
             fid = [r for r in mr if r["task"] in FIDELITY]
+            costed = [r for r in mr if r["task"] not in FIDELITY] or fid
             per_count = counts(mr)
             methods[m] = {
                 "family": mr[0]["family"],
                 "n": min(per_count),
                 "n_max": max(per_count),
-                "kv_bytes_per_token": avg(
-                    [r["kv_bytes_per_token"] for r in mr if r["task"] not in FIDELITY]
-                    or [r["kv_bytes_per_token"] for r in mr]
-                ),
-                "compression": avg([r["compression"] for r in mr]),
+                # bytes and ×smaller from the same rows: the question rows (the bytes a user holds
+                # while asking), the fidelity rows only where a method ran nothing else
+                "kv_bytes_per_token": avg([r["kv_bytes_per_token"] for r in costed]),
+                "compression": avg([r["compression"] for r in costed]),
                 "retrieval": avg(ranked),
                 "per_task": per_task,
                 "fail_retrieval": sum(r["failure"] == "retrieval" for r in mr if r["task"] in common),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,13 +172,14 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
 
 def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float | None) -> dict:
     """The fields every method's row of one (model, length, task, instance) cell shares; `tokens` is
-    the context as fed, refused (ValueError) unless it fits the nominal `length` (`check_fed`)."""
+    the context as fed, refused (ValueError) unless it fits the nominal `length` (`check_fed`).
+    `run` names this run of the cell: only rows of the same run are timed against each other."""
     check_fed(inst, length, tokens)
     task = inst.task
     return {
         "model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
         "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
-        "prefill_s": prefill_s,
+        "prefill_s": prefill_s, "run": uuid.uuid4().hex[:12],
         "kind": ("retrieval" if task in RETRIEVAL + LOOKALIKE else "reasoning" if task in REASONING
                  else "fidelity"),
         "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),

@@ -12,14 +12,21 @@ from kvstrata.bench.tasks import RETRIEVAL
 REFS = ("dynamic", "bf16")
 
 
+def run_of(row: dict) -> str:
+    """Which run of its cell wrote `row`: the `run` id; for rows written before run ids, the prefill
+    time, which every method of one run of a cell shares (they decode from one prefill)."""
+    return row.get("run") or f"prefill {row['prefill_s']!r}"
+
+
 def ratios(rows: list[dict]) -> dict:
-    """{(model, length): {method: {"n": cells, "s": mean s/token, ref: ratio or None}}}, over the
-    retrieval rows."""
-    cells = defaultdict(dict)  # (model, length) -> {(task, index): {method: s/token}}
+    """{(model, length): {method: {"n": cells, "s": mean s/token, ref: ratio or None, "n " + ref:
+    cells paired}}}, over the retrieval rows. A ratio pairs rows of the same run of a cell only:
+    times from different runs (another day, another load on the machine) are never divided."""
+    cells = defaultdict(dict)  # (model, length) -> {(task, index, run): {method: s/token}}
     for r in rows:
         if r.get("error") or r["task"] not in RETRIEVAL or not r.get("decode_s_per_token"):
             continue
-        cells[(r["model"], r["length"])].setdefault((r["task"], r["index"]), {})[r["method"]] = r[
+        cells[(r["model"], r["length"])].setdefault((r["task"], r["index"], run_of(r)), {})[r["method"]] = r[
             "decode_s_per_token"
         ]
     out = {}
@@ -32,6 +39,7 @@ def ratios(rows: list[dict]) -> dict:
             for ref in REFS:
                 both = [c for c in mine if ref in c]
                 entry[ref] = mean(c[m] for c in both) / mean(c[ref] for c in both) if both else None
+                entry[f"n {ref}"] = len(both)
             table[m] = entry
         out[key] = table
     return out
@@ -45,7 +53,9 @@ def report_section(given: ReportInput) -> str:
         "## Decode speed\n",
         "Decode seconds per token on the retrieval tasks, as a multiple of the stock `dynamic` row "
         "(transformers' DynamicCache, the model's own attention, no kvstrata code) and of our `bf16`, each "
-        "on the cells both ran in the same run. `n` = cells (task instances).\n",
+        "on the cells both ran in the same run of the cell (one prefill; rows from other runs are never "
+        "paired). `n` = cells (task instances); the count after a ratio = the cells it pairs; `–` = no "
+        "same-run reference.\n",
     ]
     for (model, length), t in table.items():
         if "dynamic" not in t:
@@ -56,8 +66,8 @@ def report_section(given: ReportInput) -> str:
             "|---|---|---|---|---|",
         ]
         for m, e in t.items():
-            f = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
-            lines.append(f"| `{m}` | {e['n']} | {e['s']:.3f} | {f(e['dynamic'])} | {f(e['bf16'])} |")
+            f = lambda ref: "–" if e[ref] is None else f"{e[ref]:.2f} ({e['n ' + ref]})"  # noqa: E731
+            lines.append(f"| `{m}` | {e['n']} | {e['s']:.3f} | {f('dynamic')} | {f('bf16')} |")
         lines.append("")
     return "\n".join(lines)
 

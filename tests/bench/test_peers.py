@@ -99,29 +99,37 @@ def test_peer_failure_is_a_reported_row(tmp_path, tiny_gemma):
     assert "### How peers failed" in md and "only full attention" in md
 
 
-def _method(family, bpt, **scores):
-    return {"family": family, "kv_bytes_per_token": bpt, "per_task": scores}
+def _rows(method, family, bpt, **scores):
+    """Scored rows of one method: `task=[score per instance]`, and a summary entry from them."""
+    rows = [{"model": "m", "length": 4096, "task": t, "index": i, "method": method, "score": v}
+            for t, vs in scores.items() for i, v in enumerate(vs)]
+    return rows, {"family": family, "kv_bytes_per_token": bpt,
+                  "per_task": {t: sum(vs) / len(vs) for t, vs in scores.items()}}
 
 
-def test_head_to_head_compares_inside_a_bytes_tier():
-    summary = {
-        ("m", 4096): {
-            "tasks": ["single", "fidelity"], "usable": {"single": True},
-            "methods": {
-                "bf16": _method("reference", 1000, single=1.0, fidelity=1.0),
-                "nvfp4": _method("quantization", 280, single=0.9, fidelity=0.95),
-                "snapkv:keep=0.28": _method("eviction", 280, single=0.2, fidelity=0.5),
-                "kvpress:snapkv:cr=0.72": _method("peer", 290, single=0.5, fidelity=0.96),
-                "qcache:hqq:int2": _method(
-                    "peer", 190, single=0.1, fidelity=0.3
-                ),  # no kvstrata row in its tier
-            },
-        }
+def test_head_to_head_pairs_inside_a_bytes_tier_with_an_interval():
+    got = {
+        "bf16": _rows("bf16", "reference", 1000, single=[1.0] * 10, fidelity=[1.0] * 10),
+        "nvfp4": _rows("nvfp4", "quantization", 280, single=[1.0] * 9 + [0.0], fidelity=[0.95] * 10),
+        "snapkv:keep=0.28": _rows("snapkv:keep=0.28", "eviction", 280, single=[0.0] * 10,
+                                  fidelity=[0.5] * 10),
+        # the peer ran 6 instances: both sides are scored on those 6 only
+        "kvpress:snapkv:cr=0.72": _rows("kvpress:snapkv:cr=0.72", "peer", 290, single=[0.0, 1.0] * 3,
+                                        fidelity=[0.97, 0.93] * 3),
+        "qcache:hqq:int2": _rows("qcache:hqq:int2", "peer", 190, single=[0.0] * 10,
+                                 fidelity=[0.3] * 10),  # no kvstrata row in its tier
     }
-    md = head_to_head(summary)
-    assert "| ≈ 1/4 of bf16 | single | `nvfp4` 0.90 | `kvpress:snapkv:cr=0.72` 0.50 | **kvstrata** |" in md
-    assert (
-        "| ≈ 1/4 of bf16 | fidelity (top-1) | `nvfp4` 0.95 | `kvpress:snapkv:cr=0.72` 0.96 | **tie** |" in md
-    )
+    rows = [r for rs, _ in got.values() for r in rs]
+    summary = {("m", 4096): {"tasks": ["single", "fidelity"], "usable": {"single": True},
+                             "methods": {m: s for m, (_, s) in got.items()}}}
+    md = head_to_head(summary, rows)
+    # nvfp4 answers all 6 shared instances, the peer 3: +50 points, an interval that excludes 0
+    line = next(x for x in md.splitlines() if "| single |" in x)
+    assert "`nvfp4` 1.00 | `kvpress:snapkv:cr=0.72` 0.50 | +50 [" in line and "(n=6)" in line
+    assert line.endswith("**kvstrata** |")
+    # top-1 0.95 against 0.95 on average, differing per instance: no side is ahead
+    line = next(x for x in md.splitlines() if "fidelity (top-1)" in x)
+    assert "`nvfp4` 0.95 | `kvpress:snapkv:cr=0.72` 0.95 | +0 [" in line
+    assert line.endswith("**not distinguishable** |")
     assert "≤ 1/5" not in md
     assert tier(0.5) == "≈ 1/2 of bf16" and tier(0.9) is None

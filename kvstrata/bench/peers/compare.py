@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from kvstrata.bench.paired import paired_delta
 from kvstrata.bench.results import ReportInput
 from kvstrata.bench.tasks import FIDELITY
 
 #: bytes per token as a share of bf16's, bucketed so that rows of similar cost meet
 TIERS = (("≈ 1/2 of bf16", 0.42, 0.70), ("≈ 1/3 of bf16", 0.30, 0.42), ("≈ 1/4 of bf16", 0.22, 0.30),
          ("≤ 1/5 of bf16", 0.0, 0.22))
-TIE = 0.02
 
 
 def tier(share: float) -> str | None:
@@ -20,11 +20,12 @@ def tier(share: float) -> str | None:
     return None
 
 
-def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
-    """Per model/length, bytes tier and task: the best kvstrata method against the best peer.
-    With `rows`, both sides are scored on the same instances: those every peer in the tier ran."""
+def head_to_head(summary: dict, rows: list[dict]) -> str:
+    """Per model/length, bytes tier and task: the best kvstrata method against the best peer, both
+    scored on the instances every peer of the tier ran, and their paired difference with its 95 %
+    bootstrap interval; 'ahead' only where the whole interval says so."""
     lines = []
-    scores = _scores(rows) if rows is not None else None
+    scores = _scores(rows)
     for (model, length), s in summary.items():
         methods = s["methods"]
         if not any(r["family"] == "peer" for r in methods.values()):
@@ -35,29 +36,28 @@ def head_to_head(summary: dict, rows: list[dict] | None = None) -> str:
         tasks = [t for t in s["tasks"] if t in FIDELITY or s["usable"].get(t)]
         body = []
         for label, _, _ in TIERS:
-            ours = {m: r for m, r in methods.items() if r["family"] not in ("peer", "reference")
-                    and tier(r["kv_bytes_per_token"] / full) == label}
-            theirs = {m: r for m, r in methods.items() if r["family"] == "peer" and tier(
-                r["kv_bytes_per_token"] / full) == label}
+            in_tier = lambda peer: [  # noqa: E731
+                m for m, r in methods.items()
+                if (r["family"] == "peer") == peer and r["family"] != "reference"
+                and tier(r["kv_bytes_per_token"] / full) == label
+            ]
+            ours, theirs = in_tier(False), in_tier(True)
             if not ours or not theirs:
                 continue
             for t in tasks:
-                if scores is not None:
-                    cell = (model, length, t)
-                    same = _common(scores, cell, theirs)
-                    ours_t = {m: _on(scores, cell, m, same) for m in ours}
-                    theirs_t = {m: _on(scores, cell, m, same) for m in theirs}
-                    a, b = _best(ours_t, t), _best(theirs_t, t)
-                else:
-                    a, b = _best(ours, t), _best(theirs, t)
+                cell = (model, length, t)
+                same = _common(scores, cell, theirs)
+                a, b = _best(scores, cell, ours, same), _best(scores, cell, theirs, same)
                 if a is None or b is None:
                     continue
-                verdict = "tie" if abs(a[1] - b[1]) <= TIE else "kvstrata" if a[1] > b[1] else "peer"
+                d = paired_delta(*({(t, i): scores[(*cell, m)][i] for i in same} for m in (a[0], b[0])))
+                verdict = {"ahead": "kvstrata", "behind": "peer"}.get(d.verdict(), "not distinguishable")
                 body.append(f"| {label} | {t}{' (top-1)' if t in FIDELITY else ''} | `{a[0]}` {a[1]:.2f} | "
-                             f"`{b[0]}` {b[1]:.2f} | **{verdict}** |")
+                            f"`{b[0]}` {b[1]:.2f} | {d.text()} | **{verdict}** |")
         lines += [f"#### {model}, {length} tokens\n"]
         lines += (
-            ["| bytes/token | task | best kvstrata | best peer | ahead |", "|---|---|---|---|---|", *body]
+            ["| bytes/token | task | best kvstrata | best peer | Δ kvstrata − peer, 95 % | ahead |",
+             "|---|---|---|---|---|---|", *body]
             if body
             else ["No bytes tier holds both a kvstrata method and a peer here."]
         )
@@ -80,15 +80,13 @@ def _common(scores, cell: tuple, methods) -> set[int]:
     return set.intersection(*sets) if sets else set()
 
 
-def _on(scores, cell: tuple, method: str, indices: set[int]) -> dict:
-    """A method's mean score on the cell's task over `indices` (None unless it ran all of them)."""
-    got = scores.get((*cell, method), {})
-    ok = bool(indices) and indices <= set(got)
-    return {"per_task": {cell[2]: sum(got[i] for i in indices) / len(indices) if ok else None}}
-
-
-def _best(methods: dict, task: str) -> tuple[str, float] | None:
-    scored = [(m, r["per_task"].get(task)) for m, r in methods.items() if r["per_task"].get(task) is not None]
+def _best(scores, cell: tuple, methods, indices: set[int]) -> tuple[str, float] | None:
+    """The method with the highest mean score on `indices` among those that ran all of them."""
+    scored = [
+        (m, sum(got[i] for i in indices) / len(indices))
+        for m in methods
+        if indices and indices <= set(got := scores.get((*cell, m), {}))
+    ]
     return max(scored, key=lambda x: x[1]) if scored else None
 
 
@@ -137,8 +135,11 @@ def report_section(given: ReportInput) -> str:
         "(float tensors at 16 bits, as our `bf16` reference stores them). Versions: "
         f"{'; '.join(versions)}.\n",
         masked(peer_rows),
-        "Who is ahead per task at matched bytes (best method of each side inside a bytes tier, both scored "
-        f"on the instances every peer of the tier ran; ties within {TIE:.2f}):\n",
+        "Who is ahead per task at matched bytes: the best method of each side inside a bytes tier, both "
+        "scored on the instances every peer of the tier ran, and their paired difference in points with "
+        "its 95 % bootstrap interval over those instances. A side is ahead only when the whole interval "
+        "says so. Each side's best is picked on these same instances, which favours the side with more rows "
+        "in the tier (usually ours).\n",
         head_to_head(summary, rows),
     ]
     fails = failures(peer_rows)
