@@ -45,9 +45,9 @@ def points(given: ReportInput) -> dict[tuple[str, int], list[dict]]:
                 "method": m, "family": summ["family"], "bytes": summ["kv_bytes_per_token"],
                 "compression": summ["compression"], "retrieval": summ["retrieval"], "top1": summ["top1"],
                 "n": summ["n"], "delta": None if m == REFERENCE else paired_delta(mine, ref),
-                # retrieval means compare only over the same questions: a row that skipped some of
-                # the reference's instances or tasks is shown, paired, and not ranked or judged
-                "ranked": mine.keys() >= ref.keys(),
+                # retrieval means compare only over the same questions: a row scored on other
+                # instances or tasks than the reference is shown, paired, and not ranked or judged
+                "ranked": mine.keys() == ref.keys(),
             })
         mark_frontier([p for p in pts if p["ranked"]], "bytes", "retrieval")
         for p in pts:
@@ -67,7 +67,8 @@ def target_lines(pts: list[dict]) -> list[str]:
     question the reference was are judged: the targets are stated on all of them."""
     lines = []
     for budget, slack, floor, label in budgets(pts):
-        fits = [p for p in pts if p["bytes"] <= budget * 1.001 and p["delta"] is not None and p["ranked"]]
+        within = [p for p in pts if p["bytes"] <= budget * 1.001 and p["delta"] is not None]
+        fits = [p for p in within if p["ranked"]]
         met = [p for p in fits if p["delta"].mean >= -slack and (not floor or (p["top1"] or 0) >= floor)]
         if met:
             best = max(met, key=lambda p: p["compression"])
@@ -79,9 +80,11 @@ def target_lines(pts: list[dict]) -> list[str]:
             lines.append(f"- {label} (≤ {budget:,.0f} B/token): not met; closest `{best['method']}` "
                          f"Δ {best['delta'].text()}, top-1 {fmt(best['top1'])}; vs bf16: "
                          f"{best['delta'].verdict()}.")
+        elif within:
+            lines.append(f"- {label} (≤ {budget:,.0f} B/token): not judged; only rows scored on other "
+                         f"questions than bf16's are at these bytes ({len(within)}, `n ≠`).")
         else:
-            lines.append(f"- {label} (≤ {budget:,.0f} B/token): no method scored on all of bf16's "
-                         "questions at these bytes.")
+            lines.append(f"- {label} (≤ {budget:,.0f} B/token): no method measured at these bytes.")
     return lines
 
 
@@ -112,7 +115,7 @@ def plot(key: tuple[str, int], pts: list[dict], out: Path) -> Path:
     ax.set_xscale("log")
     ax.set_xlabel("stored KV bytes per token (log)")
     ax.set_ylabel("retrieval (usable tasks)")
-    ax.set_title(f"{key[0]} @ {key[1]}: quality per byte (★ frontier; hollow: fewer instances, "
+    ax.set_title(f"{key[0]} @ {key[1]}: quality per byte (★ frontier; hollow: other instances, "
                  "not ranked; red: targets)", fontsize=9)
     fig.tight_layout()
     path = out / f"frontier_{key[0]}_{key[1]}.png"
@@ -132,8 +135,8 @@ def report_section(given: ReportInput) -> str:
         "ran, in points, with a 95 % interval from a bootstrap over instances (resampled within each task) "
         "and the number of paired questions; an interval that contains 0 means the data cannot tell the "
         "two apart. ★ = on the frontier (nothing stores fewer bytes and retrieves more); rows scored on "
-        "fewer questions than bf16 (fewer instances or tasks) are paired but neither ranked nor judged "
-        "against the targets (`n <` in the frontier column; hollow in the plot).\n",
+        "other questions than bf16 (other instances or tasks) are paired but neither ranked nor judged "
+        "against the targets (`n ≠` in the frontier column; hollow in the plot).\n",
     ]
     for key, pts in sorted(found.items()):
         lines += [f"### {key[0]}, {key[1]} tokens\n", *target_lines(pts), "",
@@ -145,7 +148,7 @@ def report_section(given: ReportInput) -> str:
                 f"| `{p['method']}` | {p['family']} | {fmt(p['bytes'], '{:,.0f}')} | "
                 f"{fmt(p['compression'])} | {fmt(p['retrieval'])} | {_delta_cell(p['delta'])} | "
                 f"{fmt(p['top1'])} | "
-                f"{'★' if p['frontier'] else '' if p['ranked'] else 'n <'} |"
+                f"{'★' if p['frontier'] else '' if p['ranked'] or p['retrieval'] is None else 'n ≠'} |"
             )
         lines.append(f"\n![frontier {key[0]} {key[1]}]({plot(key, pts, given.out).name})\n")
     return "\n".join(lines)

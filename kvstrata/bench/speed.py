@@ -55,7 +55,7 @@ def report_section(given: ReportInput) -> str:
         "(transformers' DynamicCache, the model's own attention, no kvstrata code) and of our `bf16`, each "
         "on the cells both ran in the same run of the cell (one prefill; rows from other runs are never "
         "paired). `n` = cells (task instances); the count after a ratio = the cells it pairs; `–` = no "
-        "same-run reference.\n",
+        "same-run reference (kvpress presses each prefill apart, in their own process).\n",
     ]
     for (model, length), t in table.items():
         if "dynamic" not in t:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvstrata.bench.paired import paired_delta
+from kvstrata.bench.paired import Delta, paired_delta
 from kvstrata.bench.results import mark_frontier
 
 
@@ -28,7 +28,8 @@ def test_tasks_weigh_equally_and_the_interval_covers_the_mean():
     d = paired_delta(a, b)
     assert d.mean == pytest.approx(0.25) and d.n == 12
     assert d.lo < d.mean < d.hi and d.lo >= -0.5 and d.hi <= 1
-    assert d.text() == f"+25 [{d.lo * 100:+.0f}, {d.hi * 100:+.0f}] (n=12)"
+    assert d.text() == f"+25 [{round(d.lo * 100):+d}, {round(d.hi * 100):+d}] (n=12)"
+    assert Delta(-1e-17, -0.004, 0.6, 3).text() == "+0 [+0, +60] (n=3)"  # float noise never prints -0
     assert paired_delta(a, b) == d  # a fixed seed: the same interval every time
 
 

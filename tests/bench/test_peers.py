@@ -100,25 +100,22 @@ def test_peer_failure_is_a_reported_row(tmp_path, tiny_gemma):
 
 
 def _rows(method, family, bpt, **scores):
-    """Scored rows of one method: `task=[score per instance]`, and a summary entry from them."""
+    """(method, (scored rows, summary entry)): `task=[score per instance]`."""
     rows = [{"model": "m", "length": 4096, "task": t, "index": i, "method": method, "score": v}
             for t, vs in scores.items() for i, v in enumerate(vs)]
-    return rows, {"family": family, "kv_bytes_per_token": bpt,
-                  "per_task": {t: sum(vs) / len(vs) for t, vs in scores.items()}}
+    return method, (rows, {"family": family, "kv_bytes_per_token": bpt,
+                           "per_task": {t: sum(vs) / len(vs) for t, vs in scores.items()}})
 
 
 def test_head_to_head_pairs_inside_a_bytes_tier_with_an_interval():
-    got = {
-        "bf16": _rows("bf16", "reference", 1000, single=[1.0] * 10, fidelity=[1.0] * 10),
-        "nvfp4": _rows("nvfp4", "quantization", 280, single=[1.0] * 9 + [0.0], fidelity=[0.95] * 10),
-        "snapkv:keep=0.28": _rows("snapkv:keep=0.28", "eviction", 280, single=[0.0] * 10,
-                                  fidelity=[0.5] * 10),
+    got = dict([
+        _rows("bf16", "reference", 1000, single=[1.0] * 10, fidelity=[1.0] * 10),
+        _rows("nvfp4", "quantization", 280, single=[1.0] * 9 + [0.0], fidelity=[0.95] * 10),
+        _rows("snapkv:keep=0.28", "eviction", 280, single=[0.0] * 10, fidelity=[0.5] * 10),
         # the peer ran 6 instances: both sides are scored on those 6 only
-        "kvpress:snapkv:cr=0.72": _rows("kvpress:snapkv:cr=0.72", "peer", 290, single=[0.0, 1.0] * 3,
-                                        fidelity=[0.97, 0.93] * 3),
-        "qcache:hqq:int2": _rows("qcache:hqq:int2", "peer", 190, single=[0.0] * 10,
-                                 fidelity=[0.3] * 10),  # no kvstrata row in its tier
-    }
+        _rows("kvpress:snapkv:cr=0.72", "peer", 290, single=[0.0, 1.0] * 3, fidelity=[0.97, 0.93] * 3),
+        _rows("qcache:hqq:int2", "peer", 190, single=[0.0] * 10, fidelity=[0.3] * 10),  # alone in its tier
+    ])
     rows = [r for rs, _ in got.values() for r in rs]
     summary = {("m", 4096): {"tasks": ["single", "fidelity"], "usable": {"single": True},
                              "methods": {m: s for m, (_, s) in got.items()}}}

@@ -73,8 +73,18 @@ def test_the_frontier_ranks_only_rows_scored_on_every_reference_question(tmp_pat
     assert pts["full"]["ranked"] and pts["full"]["frontier"]
     assert not pts["lucky"]["ranked"] and not pts["lucky"]["frontier"]
     assert pts["lucky"]["delta"].n == 2  # still paired with bf16 on its own instances
-    # the 6x target (<= 3,840 B/token) holds only the unranked row: nothing is judged there
+    # the 6x target (<= 3,840 B/token) holds only the unranked row: nothing is judged there; 8x holds
+    # nothing at all
     lines = frontier.target_lines(list(pts.values()))
-    assert any(line.startswith("- 6×") and "no method scored on all" in line for line in lines)
+    assert any(line.startswith("- 6×") and "not judged" in line and "(1, `n ≠`)" in line for line in lines)
+    assert any(line.startswith("- 8×") and "no method measured" in line for line in lines)
     md = frontier.report_section(given)
-    assert "| `lucky` |" in md and "| n < |" in md and (tmp_path / "frontier_m_4096.png").exists()
+    assert "| `lucky` |" in md and "| n ≠ |" in md and (tmp_path / "frontier_m_4096.png").exists()
+
+
+def test_a_row_on_more_instances_than_the_reference_is_not_ranked(tmp_path):
+    # its retrieval would average questions bf16 never answered
+    rows = [row("bf16", "single", i, score=1.0) for i in range(2)]
+    rows += [row("more", "single", i, 6000.0, score=1.0) for i in range(4)]
+    pts = {p["method"]: p for p in frontier.points(ReportInput(tmp_path, rows, summarise(rows)))[("m", 4096)]}
+    assert not pts["more"]["ranked"] and pts["more"]["delta"].n == 2

@@ -46,6 +46,15 @@ def test_one_row_per_cell_and_method(bench_dir):
     assert evict[0]["kv_bytes"] < ref[0]["kv_bytes"]
 
 
+def test_rows_of_one_run_of_a_cell_share_a_run_id_and_other_cells_do_not(bench_dir):
+    out, cfg = bench_dir
+    by_cell = {}
+    for r in rows(out):
+        by_cell.setdefault((r["task"], r["index"]), set()).add(r["run"])
+    assert all(len(ids) == 1 for ids in by_cell.values())  # one prefill: every method's timing pairs
+    assert len(set().union(*by_cell.values())) == len(by_cell)  # never across cells
+
+
 def test_resume_skips_finished_cells(bench_dir, tiny_gemma):
     out, cfg = bench_dir
     before = (out / "results.jsonl").read_text()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvstrata.bench.tune import TuneConfig, kv_recipe, render, tune, upgrade_path
+from kvstrata.bench.tune import TuneConfig, kv_recipe, passes, render, tune, upgrade_path
 from kvstrata.cli import main
 from kvstrata.hf import CompressedCache
 from kvstrata.methods import parse_method
@@ -115,3 +115,15 @@ def test_tuning_keys_apart_from_values_measures_both_halves(tmp_path, tiny_gemma
     chosen = next(s for s in cert["search"] if s["spec"] == cert["spec"])
     assert chosen["passes"] or cert["spec"] == "bf16"
     CompressedCache(tiny_gemma.config, cert["spec"])  # what it prints is a spec the cache takes
+
+
+@pytest.mark.parametrize("retrieval, top1, ok", [
+    (0.66, 0.98, True),   # one point under bf16's 0.67: inside a 1-point budget
+    (0.67, 0.98, True),
+    (0.65, 0.98, False),  # two points under: out, whatever its top-1
+    (0.90, 0.96, False),  # more retrieval does not buy back a top-1 under the floor
+    (None, 0.97, True),   # no task bf16 passes: top-1 alone decides
+])
+def test_the_budget_bounds_retrieval_against_bf16_and_top1(tmp_path, retrieval, top1, ok):
+    cfg = _cfg(tmp_path, max_drop=0.01, top1=0.97)
+    assert passes({"retrieval": retrieval, "bf16_retrieval": 0.67, "top1": top1}, cfg) is ok

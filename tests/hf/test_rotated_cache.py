@@ -25,6 +25,18 @@ def test_rotated_bf16_tracks_dense_and_keeps_the_bytes(model, decode_logits):
     assert nvfp4_rot.nbytes()["total"] == plain.nbytes()["total"]
 
 
+@pytest.mark.parametrize("codec", ["bf16", "fp8", "mxfp4", "nvfp4", "int4:r=8", "int2:r=8",
+                                   "int4:r=0,keys=token,group=64"])
+def test_every_codec_rotates_without_storing_anything_per_token(model, decode_logits, codec):
+    ids = torch.randint(0, 256, (1, 72), generator=torch.Generator().manual_seed(4))
+    held = []
+    for spec in (codec, f"{codec}{',' if ':' in codec else ':'}rot=hadamard"):
+        cache = CompressedCache(model.config, spec)
+        decode_logits(model, cache, ids)
+        held.append(cache.nbytes()["total"])
+    assert held[0] == held[1] > 0
+
+
 @pytest.mark.parametrize("spec", ["nvfp4:rot=hadamard", "int4:r=8,rot=hadamard", "fp8:rot=hadamard+topk:k=16",
                                   # key smoothing goes through the same query / output transforms
                                   "nvfp4:smooth=0.5", "int4:r=8,smooth=0.5,rot=hadamard", "fp8:smooth=1",

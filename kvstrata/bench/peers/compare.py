@@ -36,12 +36,7 @@ def head_to_head(summary: dict, rows: list[dict]) -> str:
         tasks = [t for t in s["tasks"] if t in FIDELITY or s["usable"].get(t)]
         body = []
         for label, _, _ in TIERS:
-            in_tier = lambda peer: [  # noqa: E731
-                m for m, r in methods.items()
-                if (r["family"] == "peer") == peer and r["family"] != "reference"
-                and tier(r["kv_bytes_per_token"] / full) == label
-            ]
-            ours, theirs = in_tier(False), in_tier(True)
+            ours, theirs = (_in_tier(methods, full, label, peer) for peer in (False, True))
             if not ours or not theirs:
                 continue
             for t in tasks:
@@ -63,6 +58,12 @@ def head_to_head(summary: dict, rows: list[dict]) -> str:
         )
         lines.append("")
     return "\n".join(lines)
+
+
+def _in_tier(methods: dict, full: float, label: str, peer: bool) -> list[str]:
+    """Peers (or, with `peer` False, kvstrata methods other than the references) in bytes tier `label`."""
+    return [m for m, r in methods.items() if (r["family"] == "peer") == peer and r["family"] != "reference"
+            and tier(r["kv_bytes_per_token"] / full) == label]
 
 
 def _scores(rows: list[dict]) -> dict[tuple, dict[int, float]]:
