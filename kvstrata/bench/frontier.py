@@ -60,6 +60,13 @@ def _delta_cell(d: Delta | None) -> str:
     return "–" if d is None else d.text()
 
 
+def _frontier_cell(p: dict) -> str:
+    """★ on the frontier; `n ≠` for a scored row left unranked (other questions than bf16's)."""
+    if p["frontier"]:
+        return "★"
+    return "" if p["ranked"] or p["retrieval"] is None else "n ≠"
+
+
 def target_lines(pts: list[dict]) -> list[str]:
     """Per target: the cheapest method that meets it on its paired instances, or how far the
     closest one is (a target is met when the paired drop's point estimate is within the slack and
@@ -148,7 +155,7 @@ def report_section(given: ReportInput) -> str:
                 f"| `{p['method']}` | {p['family']} | {fmt(p['bytes'], '{:,.0f}')} | "
                 f"{fmt(p['compression'])} | {fmt(p['retrieval'])} | {_delta_cell(p['delta'])} | "
                 f"{fmt(p['top1'])} | "
-                f"{'★' if p['frontier'] else '' if p['ranked'] or p['retrieval'] is None else 'n ≠'} |"
+                f"{_frontier_cell(p)} |"
             )
         lines.append(f"\n![frontier {key[0]} {key[1]}]({plot(key, pts, given.out).name})\n")
     return "\n".join(lines)
