@@ -35,6 +35,7 @@ from kvstrata.registry import REGISTRY
 
 LAYER_CLASSES = ("full", "sliding")
 MAX_RECENT = 1 << 24  # r: recent tokens kept in full precision (beyond any context we run)
+MAX_SINK = 1024  # sink: the oldest tokens kept in bf16
 METHODS = REGISTRY  # name -> registry Entry (stratum, config class, defaults, tolerance)
 
 
@@ -58,6 +59,8 @@ class StoreRecipe:
     rot: str = "none"  # "hadamard": K and V rotated along head_dim before encoding
     rot_seed: int = 0
     smooth: float = 0.0  # > 0: keys divided per channel by (prefill absmax)^smooth, the query multiplied
+    center: bool = False  # keys less their per-channel prefill mean before encoding (added back on decode)
+    sink: int = 0  # the first `sink` tokens of full-attention layers stay in bf16 (attention sinks)
     outliers: int = 0  # > 0: that many key channels per KV head kept apart (codecs.outliers)
     outlier_fmt: str = "bf16"  # what the kept channels are stored in (`ofmt=`: bf16 or fp8)
     vcodec: Codec | None = None  # the values' codec when it differs from the keys' (`v=<codec>`)
@@ -119,6 +122,8 @@ def _parse_component(text: str):
     keys = params.pop("keys", entry.defaults.get("keys", "token"))
     rot, seed = params.pop("rot", "none"), params.pop("rotseed", "0")
     smooth = params.pop("smooth", "0")
+    center = params.pop("center", "0")
+    sink = params.pop("sink", "0")
     outliers = params.pop("outliers", "0")
     ofmt = params.pop("ofmt", None)
     vname = params.pop("v", None)
@@ -133,6 +138,10 @@ def _parse_component(text: str):
         raise ValueError(f"{name}: parameter rot must be 'none' or 'hadamard', got {rot!r}")
     if not seed.isdigit() or int(seed) >= 1 << 31:
         raise ValueError(f"{name}: parameter rotseed must be an integer in [0, 2^31), got {seed!r}")
+    if not sink.isdigit() or int(sink) > MAX_SINK:
+        raise ValueError(f"{name}: parameter sink must be an integer in [0, {MAX_SINK}], got {sink!r}")
+    if center not in ("0", "1"):
+        raise ValueError(f"{name}: parameter center must be 0 or 1, got {center!r}")
     try:
         smooth_f = float(smooth)
     except ValueError:
@@ -155,7 +164,8 @@ def _parse_component(text: str):
         raise ValueError(f"{name}: outliers needs keys=token (keys grouped per channel already scale each "
                          "channel apart)")
     return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f,
-                       outliers=int(outliers), outlier_fmt=ofmt or "bf16", vcodec=vcodec)
+                       center=center == "1", sink=int(sink), outliers=int(outliers),
+                       outlier_fmt=ofmt or "bf16", vcodec=vcodec)
 
 
 def _value_codec(name: str, vname: str) -> Codec:
@@ -185,7 +195,9 @@ def _parse_recipe(text: str) -> StoreRecipe:
     store = stores[0] if stores else StoreRecipe()
     if depths and store.rot != "none":
         raise ValueError(f"{text!r}: a rotation does not combine with depth sharing")
-    for what, on in (("key smoothing", store.smooth), ("outlier channels", store.outliers),
+    for what, on in (("key smoothing", store.smooth), ("key centering", store.center),
+                     ("a sink (sink=)", store.sink),
+                     ("outlier channels", store.outliers),
                      ("a values codec (v=)", store.vcodec)):
         if (depths or reads) and on:
             raise ValueError(f"{text!r}: {what} does not combine with depth sharing or top-k reads")

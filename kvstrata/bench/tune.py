@@ -170,6 +170,8 @@ def kv_recipe(k_rung: str, v_rung: str) -> str:
     params = [f"r={max(rk.r, rv.r)}", f"keys={rk.key_axis}"]
     params += ["rot=hadamard"] if "hadamard" in (rk.rot, rv.rot) else []
     params += [f"smooth={rk.smooth}"] if rk.smooth else []
+    params += ["center=1"] if rk.center else []
+    params += [f"sink={max(rk.sink, rv.sink)}"] if max(rk.sink, rv.sink) else []
     params += [f"outliers={rk.outliers}"] if rk.outliers else []
     params += [f"ofmt={rk.outlier_fmt}"] if rk.outliers and rk.outlier_fmt != "bf16" else []
     codec = spec_of(rk.codec)

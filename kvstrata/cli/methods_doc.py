@@ -36,13 +36,21 @@ takes at most one component per stratum: a store codec, a keep policy, a depth-s
 read method compose with `+` (`streaming:keep=0.5+nvfp4`, `depth:g=4+nvfp4`,
 `nvfp4+topk:k=256,indexer=lowrank`). Store codecs also take `r` (the newest `r` tokens stay in full
 precision, KIVI's residual), `keys` (`token`: scales per token; `channel`: KIVI's keys grouped
-per channel along tokens, integer codecs only) and `rot` (`hadamard`: K and V are rotated along
-head_dim by a randomized Hadamard matrix before encoding, `rotseed` picks its signs, default 0;
-the query is rotated the same way and the attention output rotated back, so nothing per token is
-stored and bytes per token do not change), `smooth` (`A` in [0, 1], default 0: each layer's keys
+per channel along tokens, integer codecs only; the prefill is encoded whole, its last group ragged
+and held as a whole group, later tokens wait in full precision for a whole group) and `rot`
+(`hadamard`: K and V are rotated along head_dim by a randomized Hadamard matrix before encoding,
+`rotseed` picks its signs, default 0; the query is rotated the same way and the attention output
+rotated back, so nothing per token is stored and bytes per token do not change), `smooth` (`A` in
+[0, 1], default 0: each layer's keys
 are divided per channel by their prefill magnitude to the power `A` (normalised per head) and the
 query multiplied by the same, so q.k is unchanged while outlier channels stop setting every
 token's scale; the divisors, `head_dim` fp32 per KV head and layer, are counted in the bytes),
+`center` (`0` or `1`, default 0: keys less their per-channel prefill mean are encoded and the mean
+added back on decode; the fused kernel shifts every score by `q.mean`, which the softmax ignores
+unless a softcap bends the scores, where it is added back; `head_dim` fp32 per KV head and layer),
+`sink` (`N`, default 0: the first `N` tokens of full-attention layers stay in bf16 beside the
+codes, counted; attention sinks take much of every query's weight, so their error weighs most;
+sliding layers hold none, their window drops them),
 `outliers` (`c`, default 0: per layer and KV head the `c` key channels of largest prefill magnitude
 are held beside the codes, which hold the keys with those channels zeroed; attention adds their
 `q.k` as a score bias, in the fused kernel too; `2c` bytes per token and KV head in bf16, counted;

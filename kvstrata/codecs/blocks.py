@@ -13,12 +13,13 @@ def check_finite(x: torch.Tensor, codec: str) -> None:
 
 
 def to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """`x: [..., n]` -> float32 `[..., ceil(n / block), block]`, zero-padded at the end."""
+    """`x: [..., n]` -> float32 `[..., ceil(n / block), block]`, the last block padded with copies of
+    the last element (so padding never widens a block's range or raises its largest magnitude)."""
     n = x.shape[-1]
     pad = (-n) % block
     x = x.float()
     if pad:
-        x = torch.nn.functional.pad(x, (0, pad))
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1)
     return x.reshape(*x.shape[:-1], (n + pad) // block, block)
 
 

@@ -33,7 +33,7 @@ class _IntCodec:
         b = to_blocks(x, self.group)
         qmax = (1 << self.bits) - 1
         lo = b.amin(-1).half()
-        scale = ((b.amax(-1) - lo.float()) / qmax).half()
+        scale = ((b.amax(-1) - lo.float()).clamp_min(0) / qmax).half()  # fp16 may round the min up
         s = scale.float()[..., None]
         q = torch.where(s > 0, ((b - lo.float()[..., None]) / s.clamp(min=1e-30)).round(), 0.0)
         codes = pack_bits(q.clamp(0, qmax), self.bits)

@@ -56,6 +56,12 @@ class CompressedLayer(CacheLayerMixin):
         self.offered: EncodedView | None = None  # the last decode step's encoded part, for attention
         # the prefill waits in full precision for the attention hook's keep scores (`finish_keep`)
         self.pending_keep = False
+        self.at_prefill = False  # the next flush encodes the prefill (its last key group may be ragged)
+        # the oldest tokens, kept in bf16 apart from the codes (`sink=`), set by the first flush
+        self.sink_k: torch.Tensor | None = None
+        self.sink_v: torch.Tensor | None = None
+        # key centering: per-channel means `[batch, kv_heads, 1, head_dim]`, set by the first flush
+        self.key_mean: torch.Tensor | None = None
         # key smoothing: per-channel divisors `[batch, kv_heads, 1, head_dim]`, set by the first flush
         self.key_scale: torch.Tensor | None = None
         # outlier key channels kept apart `[batch, kv_heads, c]` (after smoothing), set by the first flush
@@ -69,7 +75,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything held, decoded: `[batch, kv_heads, stored_tokens, head_dim]` K and V."""
-        ks, vs = self.view().dense(self.dtype)  # one reconstruction: rotation, outliers, smoothing undone
+        ks, vs = self.view().dense(self.dtype)  # one reconstruction: sink first, rotation etc. undone
         return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
 
     def view(self) -> EncodedView:
@@ -77,8 +83,9 @@ class CompressedLayer(CacheLayerMixin):
         runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
         rotation = self.recipe.rotation(self.keys.shape[-1])
         channel = self.recipe.key_axis == "channel"
+        sink = None if self.sink_k is None else (self.sink_k, self.sink_v)
         return EncodedView(self.recipe.codec, channel, runs, self.generation, rotation, self.key_scale,
-                           self.outlier_idx)
+                           self.outlier_idx, self.key_mean, sink)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
@@ -103,6 +110,7 @@ class CompressedLayer(CacheLayerMixin):
         key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        self.at_prefill = first  # the prefill's flush may end on a ragged key group
         if first and self.needs_scores():  # scored by the attention hook, which calls finish_keep
             self.pending_keep = True
         else:
@@ -126,6 +134,7 @@ class CompressedLayer(CacheLayerMixin):
         self.generation += 1
         self.cumulative_length = seen
         self.keys, self.values = keys, values
+        self.at_prefill = True
         self._keep(scores)
         self._trim()  # first, so tokens already out of a sliding window are never encoded
         self._flush()
@@ -156,16 +165,26 @@ class CompressedLayer(CacheLayerMixin):
         self.values = self.values.gather(2, idx)
 
     def _flush(self) -> None:
-        """Encode all but the newest `r` tail tokens, in whole key groups."""
+        """Encode all but the newest `r` tail tokens (the oldest `sink` stay apart): the prefill's
+        flush all of them, its last key group ragged; later flushes in whole key groups."""
+        ragged, self.at_prefill = self.at_prefill, False
+        self._take_sink()
         group = self.recipe.key_group
         n = self.keys.shape[-2] - self.recipe.r
-        n -= n % group
+        if not ragged:
+            n -= n % group
         if n <= 0:
             return
         k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        # the first encoding sets the key statistics, from every full-precision token held then
+        if self.recipe.center:
+            if self.key_mean is None:
+                self.key_mean = self.keys.float().mean(-2, keepdim=True)
+            k = k - self.key_mean
         if self.recipe.smooth:
-            if self.key_scale is None:  # the first flush holds the prefill: it sets the divisors
-                self.key_scale = smoothing_scale(k, self.recipe.smooth)
+            if self.key_scale is None:
+                held = self.keys if self.key_mean is None else self.keys - self.key_mean
+                self.key_scale = smoothing_scale(held, self.recipe.smooth)
             k = k / self.key_scale
         if self.recipe.outliers and self.outlier_idx is None:
             self.outlier_idx = outlier_channels(k, self.recipe.outliers)
@@ -177,11 +196,31 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = self.keys[..., n:, :].clone()
         self.values = self.values[..., n:, :].clone()
 
+    @property
+    def sink_tokens(self) -> int:
+        """How many of the oldest tokens stay in bf16 (full-attention layers; a window drops them)."""
+        return self.recipe.sink
+
+    def _take_sink(self) -> None:
+        """Move the oldest tail tokens into the sink until it holds `sink_tokens` (before anything
+        is encoded, the tail's front is the oldest position)."""
+        have = 0 if self.sink_k is None else self.sink_k.shape[-2]
+        take = min(self.sink_tokens - have, self.keys.shape[-2]) if not self.segments else 0
+        if take <= 0:
+            return
+        new = [t[..., :take, :].to(torch.bfloat16, copy=True) for t in (self.keys, self.values)]
+        if self.sink_k is not None:
+            new = [torch.cat([old, t], -2) for old, t in zip((self.sink_k, self.sink_v), new)]
+        self.sink_k, self.sink_v = new
+        self.keys, self.values = self.keys[..., take:, :].clone(), self.values[..., take:, :].clone()
+
     def _trim(self) -> None:
         """Full-attention layers keep everything."""
 
     def stored_tokens(self) -> int:
-        return sum(s.visible for s in self.segments) + (self.keys.shape[-2] if self.is_initialized else 0)
+        sink = 0 if self.sink_k is None else self.sink_k.shape[-2]
+        tail = self.keys.shape[-2] if self.is_initialized else 0
+        return sum(s.visible for s in self.segments) + sink + tail
 
     def row_bytes(self, tokens: int = 256) -> tuple[float, float]:
         """Bytes one token's K row and V row take per KV head once encoded (averaged over a chunk)."""
@@ -194,7 +233,8 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             return 0
         tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
-        tensors += [t for t in (self.key_scale, self.outlier_idx) if t is not None]
+        extra = (self.sink_k, self.sink_v, self.key_mean, self.key_scale, self.outlier_idx)
+        tensors += [t for t in extra if t is not None]
         return held_bytes(tensors)
 
     def shrink(self) -> None:
@@ -237,8 +277,8 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
-        self.pending_keep = False
-        self.key_scale = self.outlier_idx = None
+        self.pending_keep = self.at_prefill = False
+        self.sink_k = self.sink_v = self.key_mean = self.key_scale = self.outlier_idx = None
         self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -252,10 +292,9 @@ class CompressedLayer(CacheLayerMixin):
             for q in (seg.keys, seg.values):
                 q.parts = {k: (t if k == "tensor_scale" else fn(t)) for k, t in q.parts.items()}
             seg.buffers = {}  # the parts are new tensors now: nothing to append into
-        if self.key_scale is not None:
-            self.key_scale = fn(self.key_scale)
-        if self.outlier_idx is not None:
-            self.outlier_idx = fn(self.outlier_idx)
+        for name in ("sink_k", "sink_v", "key_mean", "key_scale", "outlier_idx"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
         if self.is_initialized:
             self.keys, self.values = fn(self.keys), fn(self.values)
 
@@ -278,6 +317,10 @@ class CompressedSlidingLayer(CompressedLayer):
     def __init__(self, recipe: StoreRecipe, sliding_window: int, **kwargs):
         super().__init__(recipe)
         self.sliding_window = sliding_window
+
+    @property
+    def sink_tokens(self) -> int:
+        return 0
 
     def _trim(self) -> None:
         excess = self.stored_tokens() - (self.sliding_window - 1)

@@ -69,7 +69,8 @@ def _prepare(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor, outl
 
 def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor,
                    reserve: int = 0, outliers: torch.Tensor | None = None) -> Segment:
-    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (tokens % key_group == 0);
+    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (a last key group short of
+    `key_group` tokens is padded with its last token and held whole; it takes no appends);
     `reserve` spare tokens are allocated for later `append`s; `outliers: [b, h, c]` key channels are
     kept apart in the recipe's `ofmt` (the keys' `outliers` part)."""
     kt, values, kept = _prepare(recipe, keys, values, outliers)

@@ -54,10 +54,11 @@ class PrefixServer:
         self.spec = parse_method(method)
         if any(r.keep for r in self.spec.recipes()):
             raise ValueError("the persistent store keeps every token: keep policies do not apply here")
-        if self.spec.layers or any(r.smooth or r.outliers or r.vcodec for r in self.spec.recipes()):
+        extras = (r.smooth or r.center or r.sink or r.outliers or r.vcodec for r in self.spec.recipes())
+        if self.spec.layers or any(extras):
             raise ValueError("the persistent store encodes one recipe per layer class from its blocks alone: "
-                             "per-layer assignments (layers[...]=), key smoothing, outlier channels and a "
-                             "values codec (v=) are not supported there")
+                             "per-layer assignments (layers[...]=), key smoothing or centering, sink tokens, "
+                             "outlier channels and a values codec (v=) are not supported there")
         self.classes = layer_classes(model.config)
         windows = [w for c, w in self.classes if c == "sliding"]
         self.n_win = n_win if n_win is not None else 2 * max(windows, default=0)

@@ -42,14 +42,22 @@ class EncodedView:
     rotation: torch.Tensor | None = None  # the codes hold K @ R and V @ R (`kvstrata.codecs.rotation`)
     key_scale: torch.Tensor | None = None  # `[b, h, 1, d]`: the codes hold K / key_scale (smoothing)
     outliers: torch.Tensor | None = None  # `[b, h, c]`: key channels held apart (keys' `outliers` part)
+    key_mean: torch.Tensor | None = None  # `[b, h, 1, d]`: the codes hold K - key_mean (centering)
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V `[b, h, s, d]` of the oldest tokens, as held
+
+    @property
+    def sink_tokens(self) -> int:
+        return 0 if self.sink is None else self.sink[0].shape[-2]
 
     @property
     def tokens(self) -> int:
-        return sum(k.shape[-1 if self.key_channel else -2] - skip for k, _, skip in self.runs)
+        runs = sum(k.shape[-1 if self.key_channel else -2] - skip for k, _, skip in self.runs)
+        return self.sink_tokens + runs
 
     def dense(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every visible token decoded: `[b, h, tokens, d]` K and V (the reference path)."""
-        ks, vs = [], []
+        """Every visible token decoded, per run, the sink first: `[b, h, n, d]` K and V (the reference
+        path)."""
+        ks, vs = ([self.sink[0].to(dtype)], [self.sink[1].to(dtype)]) if self.sink is not None else ([], [])
         for k, v, skip in self.runs:
             kd = k.codec.decode(k).to(dtype)
             if self.key_channel:
@@ -85,11 +93,12 @@ class EncodedView:
         return None if self.outliers is None else k.parts["outliers"][:, :, skip:]
 
     def _finish(self, k: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-        """Decoded codes -> keys: rotated back, outlier channels put back, smoothing undone."""
+        """Decoded codes -> keys: rotated back, outlier channels put back, smoothing and centering undone."""
         k = unrotate(k, self.rotation)
         if kept is not None:
             k = merge_outliers(k, kept, self.outliers)
-        return k if self.key_scale is None else (k * self.key_scale).to(k.dtype)
+        k = k if self.key_scale is None else (k * self.key_scale).to(k.dtype)
+        return k if self.key_mean is None else (k + self.key_mean).to(k.dtype)
 
 
 def token_rows(q: QTensor, a: int, b: int) -> QTensor:
@@ -177,6 +186,26 @@ def decode_attention(
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
     `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those; `bias: [b, hq, n]`
     (n: every visible token) is added to the scores before scaling. -> `[b, hq, d]`."""
+    if view.sink is not None:  # the sink joins the full-precision tail (attention ignores key order)
+        if idx is not None:
+            raise ValueError("sparse reads (idx) do not take a view holding sink tokens")
+        s, n = view.sink_tokens, view.tokens
+        if bias is not None:
+            bias = torch.cat([bias[..., s:n], bias[..., :s], bias[..., n:]], -1)
+        sk, sv = view.sink
+        tail_k = torch.cat([sk.to(tail_k.dtype), tail_k], -2)
+        tail_v = torch.cat([sv.to(tail_v.dtype), tail_v], -2)
+        return decode_attention(query, replace(view, sink=None), tail_k, tail_v, scaling, softcap, idx, fused,
+                                bias)
+    if view.key_mean is not None:  # the codes hold K - m: q.k = q.(K - m) + q.m, the same for every key
+        m = view.key_mean.float()
+        if softcap:  # a shift the softmax forgets, unless a softcap bends the scores first
+            qm = (query.float() @ m.repeat_interleave(query.shape[1] // m.shape[1], 1).transpose(-1, -2))
+            n = view.tokens + tail_k.shape[-2]
+            shift = qm[..., 0, :].expand(-1, -1, n)
+            bias = shift if bias is None else bias + shift
+        return decode_attention(query, replace(view, key_mean=None), tail_k.float() - m, tail_v, scaling,
+                                softcap, idx, fused, bias)
     if view.key_scale is not None:  # the codes hold K / s: attend with q * s (q.k unchanged)
         s = view.key_scale.float()
         sq = s.repeat_interleave(query.shape[1] // s.shape[1], 1)

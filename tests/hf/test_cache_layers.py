@@ -44,13 +44,21 @@ def test_kivi_axes_keys_per_channel_values_per_token():
     recipe = parse_method("int2:group=8,r=0").full
     assert recipe.key_axis == "channel" and recipe.key_group == 8
     layer = CompressedLayer(recipe)
-    k, v = kv(21)
-    layer.update(k, v)
-    # 16 tokens encoded (two key groups along tokens), 5 wait in full precision
-    assert layer.keys.shape[-2] == 5
+    k, v = kv(29)
+    layer.update(k[..., :21, :], v[..., :21, :])
+    # the prefill is encoded whole: two key groups along tokens and a ragged third of 5 tokens
+    assert layer.keys.shape[-2] == 0
     seg = layer.segments[0]
-    assert seg.keys.shape == (1, 2, 32, 16)  # transposed: groups run along tokens
-    assert seg.values.shape == (1, 2, 16, 32)
+    assert seg.keys.shape == (1, 2, 32, 21)  # transposed: groups run along tokens
+    assert seg.keys.parts["codes"].shape[-2] == 3 and seg.values.shape == (1, 2, 21, 32)
+    # the ragged group was padded with its last token: it decodes as a group of those 5 alone
+    alone = get_codec("int2:group=8").encode(k[..., 16:21, :].transpose(-1, -2)).dequantize()
+    torch.testing.assert_close(layer.dense()[0][..., 16:21, :], alone.transpose(-1, -2))
+    # later tokens wait in full precision until a whole group is there
+    for i in range(21, 29):
+        layer.update(k[..., i : i + 1, :], v[..., i : i + 1, :])
+        assert layer.keys.shape[-2] == (i - 20) % 8
+    assert [s.length for s in layer.segments] == [21, 8]
     assert parse_method("int2:group=8,r=0,keys=token").full.key_group == 1
 
 

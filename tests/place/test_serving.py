@@ -157,7 +157,8 @@ def test_full_attention_model_warm_turn_is_a_hit(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["nvfp4;layers[0]=fp8", "nvfp4:smooth=0.5", "nvfp4:outliers=2",
-                                  "nvfp4:v=fp8", "streaming:keep=0.5+nvfp4"])
+                                  "nvfp4:v=fp8", "nvfp4:sink=4", "nvfp4:center=1",
+                                  "streaming:keep=0.5+nvfp4"])
 def test_specs_the_store_cannot_encode_from_its_blocks_are_refused(tiny_gemma, tmp_path, spec):
     store = make_store(tmp_path)
     with pytest.raises(ValueError, match="not supported there|keep policies do not apply"):

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +24,10 @@ SPECS = [f"{n}:r=0" if e.defaults.get("keys") == "channel" else n for n,
 SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "fp8:block=32", "nvfp4;sliding=fp8", "mxfp4:r=5"]
 # depth-shared layers whose heads are all exact read their codes too (tiny Gemma-3 has one global
 # layer, so no group forms there and its layers stay per-layer)
-MODEL_SPECS = SPECS + ["depth:g=2,mode=exact,block=8+nvfp4", "depth:g=4,mode=exact,block=16+int4:r=0"]
+MODEL_SPECS = SPECS + ["depth:g=2,mode=exact,block=8+nvfp4", "depth:g=4,mode=exact,block=16+int4:r=0",
+                       # sink tokens, centered keys, and a ragged last key group in the prefill
+                       "nvfp4:sink=4,center=1,rot=hadamard", "int4:group=16,r=0,sink=2",
+                       "int4:keys=channel,group=16,r=0,v=nvfp4,sink=3,center=1,rot=hadamard"]
 # shapes: (batch, query heads, kv heads, head_dim) as SmolLM2 (GQA 3) and Gemma-3 (GQA 4, d = 256) have them
 SHAPES = [(1, 9, 3, 64), (2, 4, 1, 256), (1, 2, 2, 48)]
 
@@ -50,10 +54,8 @@ def _view(spec, shape, seed=0, lengths=(64, 37, 1)):
     b, hq, hk, d = shape
     g = torch.Generator().manual_seed(seed)
     rec = parse_method(spec).full
-    group = rec.key_group
     runs = []
-    for n in lengths:
-        n = -(-n // group) * group
+    for n in lengths:  # channel-grouped keys end on a ragged group where n is not a multiple
         k, v = torch.randn(b, hk, n, d, generator=g) * 3, torch.randn(b, hk, n, d, generator=g)
         seg = encode_segment(rec, k, v)
         runs.append((seg.keys, seg.values, min(5, n - 1) if len(runs) == 0 else 0))
@@ -72,6 +74,23 @@ def test_fused_equals_decode_then_attend(spec, shape):
     capped = decode_attention(q, view, tk, tv, 0.1, softcap=5.0)
     torch.testing.assert_close(capped, decode_attention(q, view, tk, tv, 0.1, softcap=5.0, fused=False),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "int4:r=0", "nvfp4:smooth=0.5,rot=hadamard"])
+def test_centered_keys_attend_as_the_keys_they_decode_to(spec):
+    """Codes holding K - m: the fused path shifts every score by q.m (a softcap bends that shift,
+    so it is added back there) and equals attending over the decoded keys."""
+    view, (tk, tv), q = _view(spec, (1, 9, 3, 64))
+    view = replace(view, key_mean=torch.randn(1, 3, 1, 64) * 4, key_scale=(
+        torch.rand(1, 3, 1, 64) + 0.5 if "smooth" in spec else None), rotation=(
+        parse_method(spec).full.rotation(64)))
+    ks, vs = view.dense()
+    keys, values = torch.cat(ks + [tk], -2), torch.cat(vs + [tv], -2)
+    for cap in (None, 5.0):
+        ref = decode.reference_attention(q, keys, values, 0.1, cap)
+        torch.testing.assert_close(decode_attention(q, view, tk, tv, 0.1, cap), ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(decode_attention(q, view, tk, tv, 0.1, cap, fused=False), ref,
+                                   rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -137,13 +156,15 @@ def test_decode_steps_append_in_place(tiny_llama):
         assert sum(s.visible for s in layer.segments) == 70
 
 
-def test_a_padding_mask_falls_back_to_the_reference(tiny_llama):
+@pytest.mark.parametrize("spec", ["fp8", "fp8:sink=4", "fp8:sink=8"])
+def test_a_padding_mask_falls_back_to_the_reference(tiny_llama, spec):
+    """The mask's columns follow positions: sink tokens (the padded row's pads among them) first."""
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding on the second row
     outs = []
     for fused in (True, False):
-        cache = CompressedCache(tiny_llama.config, "fp8", fused=fused)
+        cache = CompressedCache(tiny_llama.config, spec, fused=fused)
         with torch.inference_mode():
             out = tiny_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                       past_key_values=cache, pad_token_id=0)
