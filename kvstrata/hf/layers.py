@@ -197,15 +197,19 @@ class CompressedLayer(CacheLayerMixin):
         self.values = self.values[..., n:, :].clone()
 
     @property
-    def sink_tokens(self) -> int:
+    def sink_size(self) -> int:
         """How many of the oldest tokens stay in bf16 (full-attention layers; a window drops them)."""
         return self.recipe.sink
 
+    @property
+    def sink_held(self) -> int:
+        """How many tokens the sink holds now."""
+        return 0 if self.sink_k is None else self.sink_k.shape[-2]
+
     def _take_sink(self) -> None:
-        """Move the oldest tail tokens into the sink until it holds `sink_tokens` (before anything
+        """Move the oldest tail tokens into the sink until it holds `sink_size` (before anything
         is encoded, the tail's front is the oldest position)."""
-        have = 0 if self.sink_k is None else self.sink_k.shape[-2]
-        take = min(self.sink_tokens - have, self.keys.shape[-2]) if not self.segments else 0
+        take = min(self.sink_size - self.sink_held, self.keys.shape[-2]) if not self.segments else 0
         if take <= 0:
             return
         new = [t[..., :take, :].to(torch.bfloat16, copy=True) for t in (self.keys, self.values)]
@@ -218,9 +222,8 @@ class CompressedLayer(CacheLayerMixin):
         """Full-attention layers keep everything."""
 
     def stored_tokens(self) -> int:
-        sink = 0 if self.sink_k is None else self.sink_k.shape[-2]
         tail = self.keys.shape[-2] if self.is_initialized else 0
-        return sum(s.visible for s in self.segments) + sink + tail
+        return sum(s.visible for s in self.segments) + self.sink_held + tail
 
     def row_bytes(self, tokens: int = 256) -> tuple[float, float]:
         """Bytes one token's K row and V row take per KV head once encoded (averaged over a chunk)."""
@@ -319,7 +322,7 @@ class CompressedSlidingLayer(CompressedLayer):
         self.sliding_window = sliding_window
 
     @property
-    def sink_tokens(self) -> int:
+    def sink_size(self) -> int:
         return 0
 
     def _trim(self) -> None:

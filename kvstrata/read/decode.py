@@ -178,6 +178,11 @@ def reference_attention(
     return (torch.softmax(scores, -1) @ v)[:, :, 0]
 
 
+def per_query_head(t: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """`t: [b, kv_heads, ...]` repeated along dim 1 to `query`'s heads (grouped-query attention)."""
+    return t.repeat_interleave(query.shape[1] // t.shape[1], 1)
+
+
 def decode_attention(
     query: torch.Tensor, view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
     softcap: float | None = None, idx: torch.Tensor | None = None, fused: bool = True,
@@ -200,15 +205,14 @@ def decode_attention(
     if view.key_mean is not None:  # the codes hold K - m: q.k = q.(K - m) + q.m, the same for every key
         m = view.key_mean.float()
         if softcap:  # a shift the softmax forgets, unless a softcap bends the scores first
-            qm = (query.float() @ m.repeat_interleave(query.shape[1] // m.shape[1], 1).transpose(-1, -2))
-            n = view.tokens + tail_k.shape[-2]
-            shift = qm[..., 0, :].expand(-1, -1, n)
+            qm = (query.float() * per_query_head(m, query)).sum(-1)  # [b, hq, 1]
+            shift = qm.expand(-1, -1, view.tokens + tail_k.shape[-2])
             bias = shift if bias is None else bias + shift
         return decode_attention(query, replace(view, key_mean=None), tail_k.float() - m, tail_v, scaling,
                                 softcap, idx, fused, bias)
     if view.key_scale is not None:  # the codes hold K / s: attend with q * s (q.k unchanged)
         s = view.key_scale.float()
-        sq = s.repeat_interleave(query.shape[1] // s.shape[1], 1)
+        sq = per_query_head(s, query)
         return decode_attention(query.float() * sq, replace(view, key_scale=None), tail_k.float() / s, tail_v,
                                 scaling, softcap, idx, fused, bias)
     if view.outliers is not None:  # q.k = q_rest . codes + q_out . k_out (the kept channels, a bias)
@@ -244,5 +248,5 @@ def decode_attention(
         gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
         keys, values = keys.gather(2, gather), values.gather(2, gather)
         if bias is not None:
-            bias = bias.gather(-1, idx.repeat_interleave(query.shape[1] // idx.shape[1], 1))
+            bias = bias.gather(-1, per_query_head(idx, query))
     return reference_attention(query, keys, values, scaling, softcap, bias)
