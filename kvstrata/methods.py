@@ -20,7 +20,7 @@ spec holds config instances; text is rendered back from them only at the edges (
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property, lru_cache
 
 import torch
@@ -126,8 +126,11 @@ def _parse_component(text: str):
     sink = params.pop("sink", "0")
     outliers = params.pop("outliers", "0")
     ofmt = params.pop("ofmt", None)
-    vname = params.pop("v", None)
-    vcodec = None if vname is None else _value_codec(name, vname)
+    vname, vgroup = params.pop("v", None), params.pop("vgroup", None)
+    fit = params.pop("fit", None)
+    vcodec = None if vname is None else _value_codec(name, vname, vgroup)
+    if vgroup is not None and vname is None:
+        raise ValueError(f"{name}: parameter vgroup needs v=<codec> (the values' codec it groups)")
     if not outliers.isdigit() or int(outliers) > 256:
         raise ValueError(f"{name}: parameter outliers must be an integer in [0, 256], got {outliers!r}")
     if ofmt is not None and ofmt not in KEPT_FORMATS:
@@ -158,6 +161,12 @@ def _parse_component(text: str):
         raise ValueError(f"{name}: parameter keys must be 'token' or 'channel', got {keys!r}")
     cls = entry.cls
     codec = cls(**coerce_params(cls, params, f"method {name}"))
+    if fit is not None:  # one fit for every code of the recipe that has one (keys', values')
+        fitted = [c for c in (codec, vcodec) if c is not None and hasattr(c, "fit")]
+        if not fitted:
+            raise ValueError(f"{name}: parameter fit applies to int4, int2 and nvfp4 codes; "
+                             "this recipe has none")
+        codec, vcodec = (replace(c, fit=fit) if c in fitted else c for c in (codec, vcodec))
     if keys == "channel" and not hasattr(codec, "group"):
         raise ValueError(f"{name}: keys=channel needs a grouped integer codec")
     if keys == "channel" and int(outliers):
@@ -168,14 +177,18 @@ def _parse_component(text: str):
                        outlier_fmt=ofmt or "bf16", vcodec=vcodec)
 
 
-def _value_codec(name: str, vname: str) -> Codec:
-    """The codec `v=<name>` gives the values (its default parameters)."""
+def _value_codec(name: str, vname: str, vgroup: str | None) -> Codec:
+    """The codec `v=<name>` gives the values: its default parameters, its group `vgroup=` if given."""
     entry = REGISTRY.get(vname.lower())
     if entry is None or entry.stratum != "store":
         known = ", ".join(n for n, e in REGISTRY.items() if e.stratum == "store")
         raise ValueError(f"{name}: parameter v must name a store codec for the values ({known}), "
                          f"got {vname!r}")
-    return entry.cls()
+    if vgroup is None:
+        return entry.cls()
+    if "group" not in {f.name for f in fields(entry.cls)}:
+        raise ValueError(f"{name}: parameter vgroup needs a grouped values codec (int4, int2), got v={vname}")
+    return entry.cls(**coerce_params(entry.cls, {"group": vgroup}, f"method {name} (vgroup)"))
 
 
 def _parse_recipe(text: str) -> StoreRecipe:

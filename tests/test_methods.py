@@ -1,6 +1,6 @@
 import pytest
 
-from kvstrata.codecs import spec_of
+from kvstrata.codecs import build, spec_of
 from kvstrata.methods import parse_method
 
 
@@ -66,11 +66,31 @@ def test_layer_class_overrides():
         ("nvfp4:v=snapkv", "v must name a store codec"),
         ("nvfp4:v=fp5", "v must name a store codec"),
         ("nvfp4:v=fp8+topk:k=8", "values codec .* does not combine"),
+        ("int4:vgroup=64", r"vgroup needs v=<codec>"),
+        ("int4:v=nvfp4,vgroup=64", r"vgroup needs a grouped values codec \(int4, int2\), got v=nvfp4"),
+        ("int4:v=int4,vgroup=3", "group must be a positive multiple of 2"),
+        ("int4:v=int4,vgroup=x", "group='x' is not a valid int"),
+        ("fp8:fit=lsq", "fit applies to int4, int2 and nvfp4 codes"),
+        ("int4:fit=mse", "fit must be one of minmax, lsq, got 'mse'"),
     ],
 )
 def test_bad_specs_are_clear_errors(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_method(spec)
+
+
+def test_fit_reaches_every_code_of_a_recipe_that_has_one():
+    """`fit=` is one knob per recipe: every codec of it that has a fit gets it (FP8 has none)."""
+    both = parse_method("int4:keys=channel,group=96,r=0,v=int4,vgroup=64,fit=lsq").full
+    assert (both.codec.group, both.codec.fit) == (96, "lsq")
+    assert (both.value_codec.group, both.value_codec.fit) == (64, "lsq")
+    values = parse_method("nvfp4:v=int2,vgroup=16,fit=lsq").full.value_codec
+    assert values == build("int2:group=16,fit=lsq", "store")
+    both = parse_method("int4:fit=lsq,v=nvfp4").full
+    assert both.codec.fit == "lsq" and spec_of(both.value_codec) == "nvfp4:fit=lsq"
+    keys_only = parse_method("int4:fit=lsq,v=fp8").full
+    assert keys_only.codec.fit == "lsq" and spec_of(keys_only.value_codec) == "fp8"
+    assert parse_method("int4:v=int4").full.value_codec.fit == "minmax"
 
 
 def test_per_layer_assignments():

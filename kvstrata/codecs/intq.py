@@ -1,6 +1,11 @@
 """KIVI-style asymmetric integer codes (INT4 / INT2): per group of `group` elements an fp16 scale
 and an fp16 minimum; `x ~ min + code * scale`, codes round half to even and clamp to [0, 2^bits-1].
-Which axis the groups run along (keys per channel, values per token) is the cache's choice."""
+Which axis the groups run along (keys per channel, values per token) is the cache's choice.
+
+`fit="lsq"` picks each group's scale and minimum for least squared error instead of from its range:
+a few rounds of "round to codes, refit x ~ min + code * scale by least squares" (clipping where a
+far element costs the rest more than it gains), kept per group only where it beats min-max. The
+stored format and decoding are the same; only encoding takes longer."""
 
 from __future__ import annotations
 
@@ -13,14 +18,44 @@ from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_bloc
 from kvstrata.codecs.qtensor import QTensor
 
 FP16_MAX = 65504.0
+FITS = ("minmax", "lsq")
+LSQ_ROUNDS = 8
+
+
+def _codes(b: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Codes (float) of blocks `b` under per-block fp16 `lo` and `scale` (`[..., 1]`, as float)."""
+    return torch.where(scale > 0, ((b - lo) / scale.clamp(min=1e-30)).round().clamp(0, qmax), 0.0)
+
+
+def fit_lsq(b: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, qmax: int):
+    """Refine min-max `lo, scale` (`[..., 1]`, fp16-representable floats) of blocks `b: [..., g]`
+    toward least squared error; returns fp16-representable `(lo, scale)`, per block never worse."""
+    best_lo, best_s = lo, scale
+    best_err = ((lo + _codes(b, lo, scale, qmax) * scale - b) ** 2).sum(-1, keepdim=True)
+    xm = b.mean(-1, keepdim=True)
+    for _ in range(LSQ_ROUNDS):
+        q = _codes(b, lo, scale, qmax)
+        qc = q - q.mean(-1, keepdim=True)
+        var = (qc * qc).mean(-1, keepdim=True)
+        slope = torch.where(var > 0, (qc * (b - xm)).mean(-1, keepdim=True) / var.clamp(min=1e-30), scale)
+        scale = slope.clamp_min(0).half().float()
+        lo = (xm - scale * q.mean(-1, keepdim=True)).half().float()
+        err = ((lo + _codes(b, lo, scale, qmax) * scale - b) ** 2).sum(-1, keepdim=True)
+        better = err < best_err  # NaN / inf from an fp16 overflow never wins
+        best_lo, best_s = torch.where(better, lo, best_lo), torch.where(better, scale, best_s)
+        best_err = torch.where(better, err, best_err)
+    return best_lo, best_s
 
 
 @dataclass(frozen=True)
 class _IntCodec:
     group: int = 32
+    fit: str = "minmax"
     bits: ClassVar[int] = 4
 
     def __post_init__(self):
+        if self.fit not in FITS:
+            raise ValueError(f"{self.name}: fit must be one of {', '.join(FITS)}, got {self.fit!r}")
         per_byte = 8 // self.bits
         if not 0 < self.group <= 4096 or self.group % per_byte:
             raise ValueError(f"{self.name}: group must be a positive multiple of {per_byte}, at most 4096, "
@@ -32,12 +67,14 @@ class _IntCodec:
             raise ValueError(f"{self.name}: |x| exceeds {FP16_MAX / 2:g}; scales are stored in fp16")
         b = to_blocks(x, self.group)
         qmax = (1 << self.bits) - 1
-        lo = b.amin(-1).half()
-        scale = ((b.amax(-1) - lo.float()).clamp_min(0) / qmax).half()  # fp16 may round the min up
-        s = scale.float()[..., None]
-        q = torch.where(s > 0, ((b - lo.float()[..., None]) / s.clamp(min=1e-30)).round(), 0.0)
-        codes = pack_bits(q.clamp(0, qmax), self.bits)
-        return QTensor(self, tuple(x.shape), x.dtype, {"codes": codes, "scales": scale, "mins": lo})
+        lo = b.amin(-1, keepdim=True).half().float()
+        # clamped: fp16 may round the min up
+        scale = ((b.amax(-1, keepdim=True) - lo).clamp_min(0) / qmax).half().float()
+        if self.fit == "lsq":
+            lo, scale = fit_lsq(b, lo, scale, qmax)
+        codes = pack_bits(_codes(b, lo, scale, qmax), self.bits)
+        parts = {"codes": codes, "scales": scale[..., 0].half(), "mins": lo[..., 0].half()}
+        return QTensor(self, tuple(x.shape), x.dtype, parts)
 
     def decode(self, q: QTensor) -> torch.Tensor:
         codes = unpack_bits(q.parts["codes"], self.bits).float()

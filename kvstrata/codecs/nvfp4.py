@@ -3,6 +3,10 @@
 `block_scale = (block_amax / 6) / tensor_scale` cast (saturating) to E4M3, with
 `tensor_scale = amax / (448 * 6)` so the largest block scale lands on E4M3's maximum.
 9 bytes per 16 elements, plus 4 bytes per tensor when `tensor_scale=1`.
+
+`fit="lsq"` gives each block the scale, of those mapping its largest magnitude to 6, 5 or 4, with the
+least squared error (a block of spread values loses less to rounding on a finer grid than to
+clipping none; "four over six" block scaling). Same format and decoding; encoding takes longer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from kvstrata.codecs.qtensor import QTensor
 
 NV_BLOCK = 16
 TENSOR_SCALE_FLOOR = 2.0**-100
+FITS = ("minmax", "lsq")
+LSQ_TOPS = (5.0, 4.0)  # what a block's largest magnitude may map to besides E2M1's 6
 
 
 def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -29,11 +35,31 @@ def tensor_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(wanted >= TENSOR_SCALE_FLOOR, wanted, torch.ones_like(wanted)).reshape(())
 
 
+def _blocks_under(b: torch.Tensor, amax_block: torch.Tensor, top: float, ts: torch.Tensor):
+    """(E4M3 block scales, effective scales, scaled blocks) when each block's largest magnitude maps
+    to `top` (saturating E4M3; a block whose scale underflows encodes as zeros)."""
+    block_scale = (amax_block / top / ts).to(torch.float8_e4m3fn)
+    eff = block_scale.float() * ts
+    tiny = torch.finfo(torch.float32).tiny
+    scaled = torch.where(eff[..., None] > 0, b / eff.clamp(min=tiny)[..., None], 0.0)
+    return block_scale, eff, scaled
+
+
+def _error(b: torch.Tensor, eff: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    """Squared error per block of reading `scaled` back as E2M1 times `eff`."""
+    return ((decode_e2m1(encode_e2m1(scaled)) * eff[..., None] - b) ** 2).sum(-1)
+
+
 @dataclass(frozen=True)
 class NVFP4:
     tensor_scale: bool = True
+    fit: str = "minmax"
     name: ClassVar[str] = "nvfp4"
     summary: ClassVar[str] = "NVFP4: E2M1 + one E4M3 scale per 16 elements (+ fp32 tensor scale), 4.5 bits"
+
+    def __post_init__(self):
+        if self.fit not in FITS:
+            raise ValueError(f"{self.name}: fit must be one of {', '.join(FITS)}, got {self.fit!r}")
 
     def encode(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QTensor:
         """`scale`: a tensor scale to use instead of this tensor's own (parts of one tensor encoded
@@ -58,10 +84,16 @@ class NVFP4:
         if self.tensor_scale:
             amax = amax_block.amax() if amax_block.numel() else ts.new_zeros(())
             ts = tensor_scale(amax) if scale is None else scale.float().reshape(())
-        block_scale = (amax_block / E2M1_MAX / ts).to(torch.float8_e4m3fn)
-        eff = block_scale.float() * ts
-        scaled = torch.where(eff[..., None] > 0, b / \
-                             eff.clamp(min=torch.finfo(torch.float32).tiny)[..., None], 0.0)
+        block_scale, eff, scaled = _blocks_under(b, amax_block, E2M1_MAX, ts)
+        if self.fit == "lsq":
+            err = _error(b, eff, scaled)
+            for top in LSQ_TOPS:
+                cand = _blocks_under(b, amax_block, top, ts)
+                cand_err = _error(b, cand[1], cand[2])
+                better = cand_err < err
+                block_scale = torch.where(better, cand[0], block_scale)
+                eff, err = torch.where(better, cand[1], eff), torch.where(better, cand_err, err)
+                scaled = torch.where(better[..., None], cand[2], scaled)
         return ts, block_scale, eff, scaled
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "fp8:block=32", "nvfp4;sli
 MODEL_SPECS = SPECS + ["depth:g=2,mode=exact,block=8+nvfp4", "depth:g=4,mode=exact,block=16+int4:r=0",
                        # sink tokens, centered keys, and a ragged last key group in the prefill
                        "nvfp4:sink=4,center=1,rot=hadamard", "int4:group=16,r=0,sink=2",
-                       "int4:keys=channel,group=16,r=0,v=nvfp4,sink=3,center=1,rot=hadamard"]
+                       "int4:keys=channel,group=16,r=0,v=nvfp4,sink=3,center=1,rot=hadamard",
+                       # least-squares scales, INT4 values per token in groups of their own
+                       "int4:keys=channel,group=16,r=0,v=int4,vgroup=8,fit=lsq,sink=2,rot=hadamard"]
 # shapes: (batch, query heads, kv heads, head_dim) as SmolLM2 (GQA 3) and Gemma-3 (GQA 4, d = 256) have them
 SHAPES = [(1, 9, 3, 64), (2, 4, 1, 256), (1, 2, 2, 48)]
 
