@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import torch
 
+# how a codec with a `fit` picks its scales: from their range, or for least squared error
+FITS = ("minmax", "lsq")
+
+
+def check_fit(codec: str, fit: str) -> None:
+    """A codec's `fit` must be one it knows."""
+    if fit not in FITS:
+        raise ValueError(f"{codec}: fit must be one of {', '.join(FITS)}, got {fit!r}")
+
 
 def check_finite(x: torch.Tensor, codec: str) -> None:
     """Codecs refuse NaN/Inf: a silently saturated KV entry is a wrong KV."""

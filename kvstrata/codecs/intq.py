@@ -14,11 +14,10 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks, unpack_bits
+from kvstrata.codecs.blocks import check_finite, check_fit, from_blocks, pack_bits, to_blocks, unpack_bits
 from kvstrata.codecs.qtensor import QTensor
 
 FP16_MAX = 65504.0
-FITS = ("minmax", "lsq")
 LSQ_ROUNDS = 8
 
 
@@ -31,16 +30,17 @@ def fit_lsq(b: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, qmax: int):
     """Refine min-max `lo, scale` (`[..., 1]`, fp16-representable floats) of blocks `b: [..., g]`
     toward least squared error; returns fp16-representable `(lo, scale)`, per block never worse."""
     best_lo, best_s = lo, scale
-    best_err = ((lo + _codes(b, lo, scale, qmax) * scale - b) ** 2).sum(-1, keepdim=True)
+    q = _codes(b, lo, scale, qmax)
+    best_err = ((lo + q * scale - b) ** 2).sum(-1, keepdim=True)
     xm = b.mean(-1, keepdim=True)
-    for _ in range(LSQ_ROUNDS):
-        q = _codes(b, lo, scale, qmax)
+    for _ in range(LSQ_ROUNDS):  # each round: refit the line to the codes, then re-round under it
         qc = q - q.mean(-1, keepdim=True)
         var = (qc * qc).mean(-1, keepdim=True)
         slope = torch.where(var > 0, (qc * (b - xm)).mean(-1, keepdim=True) / var.clamp(min=1e-30), scale)
         scale = slope.clamp_min(0).half().float()
         lo = (xm - scale * q.mean(-1, keepdim=True)).half().float()
-        err = ((lo + _codes(b, lo, scale, qmax) * scale - b) ** 2).sum(-1, keepdim=True)
+        q = _codes(b, lo, scale, qmax)
+        err = ((lo + q * scale - b) ** 2).sum(-1, keepdim=True)
         better = err < best_err  # NaN / inf from an fp16 overflow never wins
         best_lo, best_s = torch.where(better, lo, best_lo), torch.where(better, scale, best_s)
         best_err = torch.where(better, err, best_err)
@@ -54,8 +54,7 @@ class _IntCodec:
     bits: ClassVar[int] = 4
 
     def __post_init__(self):
-        if self.fit not in FITS:
-            raise ValueError(f"{self.name}: fit must be one of {', '.join(FITS)}, got {self.fit!r}")
+        check_fit(self.name, self.fit)
         per_byte = 8 // self.bits
         if not 0 < self.group <= 4096 or self.group % per_byte:
             raise ValueError(f"{self.name}: group must be a positive multiple of {per_byte}, at most 4096, "

@@ -16,14 +16,13 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.blocks import check_finite, from_blocks, pack_bits, to_blocks
+from kvstrata.codecs.blocks import check_finite, check_fit, from_blocks, pack_bits, to_blocks
 from kvstrata.codecs.e2m1 import E2M1_MAX, decode_e2m1, decode_e2m1_packed, encode_e2m1
 from kvstrata.codecs.fp8 import E4M3_MAX
 from kvstrata.codecs.qtensor import QTensor
 
 NV_BLOCK = 16
 TENSOR_SCALE_FLOOR = 2.0**-100
-FITS = ("minmax", "lsq")
 LSQ_TOPS = (5.0, 4.0)  # what a block's largest magnitude may map to besides E2M1's 6
 
 
@@ -58,8 +57,7 @@ class NVFP4:
     summary: ClassVar[str] = "NVFP4: E2M1 + one E4M3 scale per 16 elements (+ fp32 tensor scale), 4.5 bits"
 
     def __post_init__(self):
-        if self.fit not in FITS:
-            raise ValueError(f"{self.name}: fit must be one of {', '.join(FITS)}, got {self.fit!r}")
+        check_fit(self.name, self.fit)
 
     def encode(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QTensor:
         """`scale`: a tensor scale to use instead of this tensor's own (parts of one tensor encoded
@@ -88,12 +86,12 @@ class NVFP4:
         if self.fit == "lsq":
             err = _error(b, eff, scaled)
             for top in LSQ_TOPS:
-                cand = _blocks_under(b, amax_block, top, ts)
-                cand_err = _error(b, cand[1], cand[2])
-                better = cand_err < err
-                block_scale = torch.where(better, cand[0], block_scale)
-                eff, err = torch.where(better, cand[1], eff), torch.where(better, cand_err, err)
-                scaled = torch.where(better[..., None], cand[2], scaled)
+                c_scale, c_eff, c_scaled = _blocks_under(b, amax_block, top, ts)
+                c_err = _error(b, c_eff, c_scaled)
+                better = c_err < err
+                block_scale = torch.where(better, c_scale, block_scale)
+                eff, err = torch.where(better, c_eff, eff), torch.where(better, c_err, err)
+                scaled = torch.where(better[..., None], c_scaled, scaled)
         return ts, block_scale, eff, scaled
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
