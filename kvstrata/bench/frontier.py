@@ -74,7 +74,7 @@ def target_lines(pts: list[dict]) -> list[str]:
     question the reference was are judged: the targets are stated on all of them."""
     lines = []
     for budget, slack, floor, label in budgets(pts):
-        within = [p for p in pts if p["bytes"] <= budget * 1.001 and p["delta"] is not None]
+        within = [p for p in pts if p["bytes"] <= budget and p["delta"] is not None]  # 1 B over is over
         fits = [p for p in within if p["ranked"]]
         met = [p for p in fits if p["delta"].mean >= -slack and (not floor or (p["top1"] or 0) >= floor)]
         if met:
@@ -85,7 +85,7 @@ def target_lines(pts: list[dict]) -> list[str]:
         elif fits:
             best = max(fits, key=lambda p: p["delta"].mean)
             lines.append(f"- {label} (≤ {budget:,.0f} B/token): not met; closest `{best['method']}` "
-                         f"Δ {best['delta'].text()}, top-1 {fmt(best['top1'])}; vs bf16: "
+                         f"Δ {best['delta'].text()}, top-1 {fmt(best['top1'], '{:.3f}')}; vs bf16: "
                          f"{best['delta'].verdict()}.")
         elif within:
             lines.append(f"- {label} (≤ {budget:,.0f} B/token): not judged; only rows scored on other "

@@ -88,3 +88,16 @@ def test_a_row_on_more_instances_than_the_reference_is_not_ranked(tmp_path):
     rows += [row("more", "single", i, 6000.0, score=1.0) for i in range(4)]
     pts = {p["method"]: p for p in frontier.points(ReportInput(tmp_path, rows, summarise(rows)))[("m", 4096)]}
     assert not pts["more"]["ranked"] and pts["more"]["delta"].n == 2
+
+
+def test_a_row_one_byte_over_a_target_does_not_meet_it(tmp_path):
+    # 6x on bf16's 23,040 B/token is 3,840 B/token: a perfect row 1 B/token over is not at those bytes
+    rows = [row("bf16", "single", i) for i in range(4)]
+    rows += [row("over", "single", i, 3841.0) for i in range(4)]
+    pts = frontier.points(ReportInput(tmp_path, rows, summarise(rows)))[("m", 4096)]
+    [six] = [line for line in frontier.target_lines(pts) if line.startswith("- 6×")]
+    assert "no method measured" in six
+    rows += [row("at", "single", i, 3840.0) for i in range(4)]
+    pts = frontier.points(ReportInput(tmp_path, rows, summarise(rows)))[("m", 4096)]
+    [six] = [line for line in frontier.target_lines(pts) if line.startswith("- 6×")]
+    assert "met by `at`" in six
