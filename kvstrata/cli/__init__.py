@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--haystack", default="noise", choices=("noise", "natural"))
     tu.add_argument("--kv-apart", action="store_true",
                     help="give each layer's keys and values rungs of their own (twice the sensitivity runs)")
+    tu.add_argument("--keep", metavar="POLICY",
+                    help="trade tokens for bits at --bytes: each rung with the largest keep fraction of "
+                    "POLICY (e.g. tova) that fits, the best on calibration certified")
     tu.add_argument("--out", default="runs/tune")
     tu.set_defaults(func=c.cmd_tune)
 

@@ -170,6 +170,7 @@ def cmd_bench(args) -> int:
 def cmd_tune(args) -> int:
     from kvstrata.bench.tasks import RETRIEVAL
     from kvstrata.bench.tune import DEFAULT_LADDER, TuneConfig, tune
+    from kvstrata.bench.tune_keep import check_keep, tune_keep
     from kvstrata.models.loader import check as check_model
 
     cfg = TuneConfig(
@@ -179,10 +180,13 @@ def cmd_tune(args) -> int:
         heldout=_indices(args.heldout, "--heldout"), max_drop=args.max_drop, top1=args.top1, bytes=args.bytes,
         seed=args.seed, haystack=args.haystack, kv_apart=args.kv_apart, out=Path(args.out),
     )
-    cfg.check()  # before any model loads
+    if args.keep:  # before any model loads
+        check_keep(cfg, args.keep)
+    else:
+        cfg.check()
     check_model(args.model)
     check_context(args.model, args.length, "--length")
-    cert = tune(cfg)
+    cert = tune_keep(cfg, args.keep) if args.keep else tune(cfg)
     held = cert["heldout"]
     delta = held["delta_vs_bf16"]
     print(f"spec: {cert['spec']}")

@@ -1,0 +1,96 @@
+"""`kvstrata tune --keep POLICY --bytes B`: trade tokens for bits at a fixed size.
+
+Below four bits per value a cache can either code every token more coarsely or keep fewer tokens at
+a better code. At a bytes target both meet, so the question is which mix loses least. For every
+rung of the ladder this search pairs the rung with the largest keep fraction (two digits) at which
+the keep policy over it stores at most `B` bytes per token, measures each pair on the calibration
+instances, keeps the pair with the best calibration quality (budget met first, then retrieval,
+top-1 and KL), and certifies it on held-out instances like the per-layer search does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from tqdm import tqdm
+
+from kvstrata.bench.tune import REFERENCE, Evaluator, TuneConfig, _public, passes, quality
+from kvstrata.methods import parse_method
+
+
+def check_keep(cfg: TuneConfig, policy: str) -> None:
+    """Refuse what this search cannot do before anything loads."""
+    if cfg.bytes is None:
+        raise ValueError("--keep trades tokens for bits at a size: give --bytes")
+    if cfg.kv_apart:
+        raise ValueError("--keep searches whole-model recipes; it does not take --kv-apart")
+    try:
+        kept = parse_method(f"{policy}:keep=0.5").full.keep
+    except ValueError as e:
+        kept, why = None, f" ({e})"
+    if kept is None:
+        raise ValueError(f"--keep {policy!r} is not a keep policy with a keep= fraction" + why)
+    for rung in cfg.ladder:
+        if parse_method(rung).full.keep is not None:
+            raise ValueError(f"ladder rung {rung!r} has its own keep policy; with --keep a rung is a codec")
+    cfg.check()
+
+
+def compose(policy: str, keep: float, rung: str) -> str:
+    """The method spec of `policy` keeping `keep` of the tokens over `rung` (`rung` alone at 1)."""
+    if keep >= 1:
+        return rung
+    head = f"{policy}:keep={keep:.2f}"
+    return head if rung == REFERENCE else f"{head}+{rung}"
+
+
+def fit_keep(ev: Evaluator, cfg: TuneConfig, policy: str, rung: str) -> str | None:
+    """The spec with the largest keep fraction (hundredths) over `rung` whose bytes per token, as the
+    certificate counts them, are within the target on every calibration question (they vary with a
+    context's token count: partial groups, sinks); None when even 1 % of tokens is over."""
+    questions = [(t, i) for t in cfg.tasks for i in cfg.calib]
+
+    def size(spec: str, cells) -> float:
+        return max(ev.run(t, i, [spec])[spec]["bytes_per_token"] for t, i in cells)
+
+    keep = min(1.0, math.floor(100 * cfg.bytes / size(rung, questions[:1])) / 100)
+    while keep >= 0.01:
+        spec = compose(policy, keep, rung)
+        if size(spec, questions) <= cfg.bytes:
+            return spec
+        keep = round(keep - 0.01, 2)
+    return None
+
+
+def rank(q: dict, cfg: TuneConfig) -> tuple:
+    """Better calibration quality sorts higher: the budget met, then retrieval, top-1, lower KL."""
+    return passes(q, cfg), q["retrieval"] if q["retrieval"] is not None else 0.0, q["top1"], -q["kl"]
+
+
+def tune_keep(cfg: TuneConfig, policy: str, load_model=None) -> dict:
+    """Search the rung x keep pairs at `cfg.bytes`, certify the best on held-out instances, write
+    `OUT/certificate.json`; returns the certificate."""
+    check_keep(cfg, policy)
+    ev = Evaluator(cfg, load_model)
+    fitting = tqdm(cfg.ladder, desc="tune: keep fraction per rung", unit="rung")
+    specs = [s for s in (fit_keep(ev, cfg, policy, r) for r in fitting) if s is not None]
+    if not specs:
+        raise ValueError(f"no rung fits {cfg.bytes:g} bytes per token even keeping 1 % of tokens")
+    bar = tqdm(specs, desc="tune: keep x codec", unit="candidate")
+    tried = {s: quality(ev, cfg, s, cfg.calib) for s in bar}
+    chosen = max(specs, key=lambda s: rank(tried[s], cfg))
+    held = quality(ev, cfg, chosen, cfg.heldout, keep=False, desc="tune: held-out certificate")
+    cert = {
+        "model": cfg.model, "length": cfg.length, "spec": chosen, "ladder": list(cfg.ladder), "keep": policy,
+        "kv_apart": False,
+        "budget": {"max_drop": cfg.max_drop, "top1": cfg.top1, "bytes_per_token": cfg.bytes},
+        "quality_met_on_calibration": passes(tried[chosen], cfg),
+        "bytes_met": held["bytes_per_token"] <= cfg.bytes,
+        "calibration": _public(tried[chosen]), "heldout": _public(held),
+        "heldout_quality_met": passes(held, cfg),
+        "search": [{"spec": s, "passes": passes(q, cfg), "retrieval": q["retrieval"], "top1": q["top1"],
+                    "kl": q["kl"], "bytes_per_token": q["bytes_per_token"]} for s, q in tried.items()],
+    }
+    (cfg.out / "certificate.json").write_text(json.dumps(cert, indent=1))
+    return cert
