@@ -25,6 +25,7 @@ def check_keep(cfg: TuneConfig, policy: str) -> None:
         raise ValueError("--keep trades tokens for bits at a size: give --bytes")
     if cfg.kv_apart:
         raise ValueError("--keep searches whole-model recipes; it does not take --kv-apart")
+    why = ""
     try:
         kept = parse_method(f"{policy}:keep=0.5").full.keep
     except ValueError as e:
