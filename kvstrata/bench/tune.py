@@ -319,21 +319,26 @@ def tune(cfg: TuneConfig, load_model=None) -> dict:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     bar.close()
-    chosen = hi
-    calib = tried[chosen]
-    held = quality(ev, cfg, specs[chosen], cfg.heldout, keep=False, desc="tune: held-out certificate")
+    held = quality(ev, cfg, specs[hi], cfg.heldout, keep=False, desc="tune: held-out certificate")
+    return certify(cfg, tried[hi], held, [tried[k] for k in sorted(tried)],
+                   sensitivity_kl=kl, layer_bytes_per_token=size)
+
+
+def certify(cfg: TuneConfig, calib: dict, held: dict, search: list[dict], **extra) -> dict:
+    """The certificate of the spec `calib` and `held` measured (every search writes this one form):
+    budget, whether it held on calibration and held-out instances, the candidates tried; written to
+    `OUT/certificate.json`."""
     cert = {
-        "model": cfg.model, "length": cfg.length, "spec": specs[chosen], "ladder": list(cfg.ladder),
+        "model": cfg.model, "length": cfg.length, "spec": held["spec"], "ladder": list(cfg.ladder),
         "kv_apart": cfg.kv_apart,
         "budget": {"max_drop": cfg.max_drop, "top1": cfg.top1, "bytes_per_token": cfg.bytes},
         "quality_met_on_calibration": passes(calib, cfg),
         "bytes_met": None if cfg.bytes is None else held["bytes_per_token"] <= cfg.bytes,
         "calibration": _public(calib), "heldout": _public(held),
         "heldout_quality_met": passes(held, cfg),
-        "search": [{"spec": specs[k], "passes": passes(q, cfg), "retrieval": q["retrieval"],
-                    "top1": q["top1"], "bytes_per_token": q["bytes_per_token"]}
-                   for k, q in sorted(tried.items())],
-        "sensitivity_kl": kl, "layer_bytes_per_token": size,
+        "search": [{"spec": q["spec"], "passes": passes(q, cfg),
+                    **{k: q[k] for k in ("retrieval", "top1", "kl", "bytes_per_token")}} for q in search],
+        **extra,
     }
     (cfg.out / "certificate.json").write_text(json.dumps(cert, indent=1))
     return cert

@@ -10,12 +10,11 @@ top-1 and KL), and certifies it on held-out instances like the per-layer search 
 
 from __future__ import annotations
 
-import json
 import math
 
 from tqdm import tqdm
 
-from kvstrata.bench.tune import REFERENCE, Evaluator, TuneConfig, _public, passes, quality
+from kvstrata.bench.tune import REFERENCE, Evaluator, TuneConfig, certify, passes, quality
 from kvstrata.methods import parse_method
 
 
@@ -82,16 +81,4 @@ def tune_keep(cfg: TuneConfig, policy: str, load_model=None) -> dict:
     tried = {s: quality(ev, cfg, s, cfg.calib) for s in bar}
     chosen = max(specs, key=lambda s: rank(tried[s], cfg))
     held = quality(ev, cfg, chosen, cfg.heldout, keep=False, desc="tune: held-out certificate")
-    cert = {
-        "model": cfg.model, "length": cfg.length, "spec": chosen, "ladder": list(cfg.ladder), "keep": policy,
-        "kv_apart": False,
-        "budget": {"max_drop": cfg.max_drop, "top1": cfg.top1, "bytes_per_token": cfg.bytes},
-        "quality_met_on_calibration": passes(tried[chosen], cfg),
-        "bytes_met": held["bytes_per_token"] <= cfg.bytes,
-        "calibration": _public(tried[chosen]), "heldout": _public(held),
-        "heldout_quality_met": passes(held, cfg),
-        "search": [{"spec": s, "passes": passes(q, cfg), "retrieval": q["retrieval"], "top1": q["top1"],
-                    "kl": q["kl"], "bytes_per_token": q["bytes_per_token"]} for s, q in tried.items()],
-    }
-    (cfg.out / "certificate.json").write_text(json.dumps(cert, indent=1))
-    return cert
+    return certify(cfg, tried[chosen], held, list(tried.values()), keep=policy)
