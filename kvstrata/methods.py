@@ -164,7 +164,7 @@ def _parse_component(text: str):
     if fit is not None:  # one fit for every code of the recipe that has one (keys', values')
         fitted = [c for c in (codec, vcodec) if c is not None and hasattr(c, "fit")]
         if not fitted:
-            raise ValueError(f"{name}: parameter fit applies to int4, int2 and nvfp4 codes; "
+            raise ValueError(f"{name}: parameter fit applies to int4, int3, int2 and nvfp4 codes; "
                              "this recipe has none")
         codec, vcodec = (replace(c, fit=fit) if c in fitted else c for c in (codec, vcodec))
     if keys == "channel" and not hasattr(codec, "group"):
@@ -187,7 +187,7 @@ def _value_codec(name: str, vname: str, vgroup: str | None) -> Codec:
     if vgroup is None:
         return entry.cls()
     if "group" not in {f.name for f in fields(entry.cls)}:
-        raise ValueError(f"{name}: parameter vgroup needs a grouped values codec (int4, int2), got v={vname}")
+        raise ValueError(f"{name}: parameter vgroup needs a grouped values codec (int4, int3, int2), got v={vname}")
     return entry.cls(**coerce_params(entry.cls, {"group": vgroup}, f"method {name} (vgroup)"))
 
 

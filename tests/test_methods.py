@@ -67,10 +67,10 @@ def test_layer_class_overrides():
         ("nvfp4:v=fp5", "v must name a store codec"),
         ("nvfp4:v=fp8+topk:k=8", "values codec .* does not combine"),
         ("int4:vgroup=64", r"vgroup needs v=<codec>"),
-        ("int4:v=nvfp4,vgroup=64", r"vgroup needs a grouped values codec \(int4, int2\), got v=nvfp4"),
+        ("int4:v=nvfp4,vgroup=64", r"vgroup needs a grouped values codec \(int4, int3, int2\), got v=nvfp4"),
         ("int4:v=int4,vgroup=3", "group must be a positive multiple of 2"),
         ("int4:v=int4,vgroup=x", "group='x' is not a valid int"),
-        ("fp8:fit=lsq", "fit applies to int4, int2 and nvfp4 codes"),
+        ("fp8:fit=lsq", "fit applies to int4, int3, int2 and nvfp4 codes"),
         ("int4:fit=mse", "fit must be one of minmax, lsq, got 'mse'"),
     ],
 )

@@ -12,7 +12,7 @@ from kvstrata.codecs.base import Codec
 from kvstrata.codecs.bf16 import BF16
 from kvstrata.codecs.depth import FreqDepth
 from kvstrata.codecs.fp8 import FP8
-from kvstrata.codecs.intq import INT2, INT4
+from kvstrata.codecs.intq import INT2, INT3, INT4
 from kvstrata.codecs.minicache import MiniCache
 from kvstrata.codecs.mxfp4 import MXFP4
 from kvstrata.codecs.nvfp4 import NVFP4
@@ -25,6 +25,7 @@ register(FP8, "store", tolerance=Tolerance(element=2**-3, logits=0.05))
 register(MXFP4, "store", tolerance=Tolerance(element=0.5, logits=0.2, block=32))
 register(NVFP4, "store", tolerance=Tolerance(element=0.25, logits=0.2, block=16))
 register(INT4, "store", defaults=KIVI, tolerance=Tolerance(element=1 / 15 + 1e-3, logits=0.1, block=32))
+register(INT3, "store", defaults=KIVI, tolerance=Tolerance(element=1 / 7 + 1e-3, logits=0.25, block=32))
 register(INT2, "store", defaults=KIVI, tolerance=Tolerance(element=1 / 3 + 1e-3, logits=0.5, block=32))
 register(FreqDepth, "depth")
 register(MiniCache, "depth")
@@ -39,5 +40,5 @@ def quantize(x: torch.Tensor, fmt: str) -> QTensor:
     return get_codec(fmt).encode(x)
 
 
-__all__ = ["BF16", "FP8", "INT2", "INT4", "MXFP4", "NVFP4", "FreqDepth", "MiniCache", "Codec",
+__all__ = ["BF16", "FP8", "INT2", "INT3", "INT4", "MXFP4", "NVFP4", "FreqDepth", "MiniCache", "Codec",
     "QTensor", "build", "coerce_params", "get_codec", "quantize", "spec_of", "split_spec"]

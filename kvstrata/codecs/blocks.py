@@ -38,8 +38,20 @@ def from_blocks(blocks: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return flat[..., : shape[-1]].reshape(shape)
 
 
+def codes_per_unit(bits: int) -> int:
+    """Codes in the smallest whole-byte unit of `bits`-wide codes: 8 // bits, or 8 (in `bits` bytes)
+    when `bits` does not divide 8 (INT3: 8 codes in 3 bytes)."""
+    return 8 // bits if 8 % bits == 0 else 8
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned `bits`-wide codes along the last dim, lowest element in the low bits."""
+    """Pack unsigned `bits`-wide codes along the last dim as one little-endian bit stream: code `i`
+    holds bits [i * bits, (i + 1) * bits), lowest element in the low bits."""
+    if 8 % bits:  # 8 codes -> one `8 * bits`-bit word -> `bits` bytes
+        c = codes.to(torch.int64).reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
+        word = (c << (bits * torch.arange(8, device=codes.device))).sum(-1, keepdim=True)
+        out = (word >> (8 * torch.arange(bits, device=codes.device))) & 255
+        return out.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] * bits // 8)
     per_byte = 8 // bits
     c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
     out = torch.zeros(c.shape[:-1], dtype=torch.uint8, device=codes.device)
@@ -50,7 +62,12 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of `pack_bits`: `[..., m]` uint8 -> `[..., m * 8 / bits]` uint8 codes."""
-    per_byte = 8 // bits
     mask = (1 << bits) - 1
+    if 8 % bits:
+        b = packed.to(torch.int64).reshape(*packed.shape[:-1], packed.shape[-1] // bits, bits)
+        word = (b << (8 * torch.arange(bits, device=packed.device))).sum(-1, keepdim=True)
+        codes = (word >> (bits * torch.arange(8, device=packed.device))) & mask
+        return codes.to(torch.uint8).reshape(*packed.shape[:-1], packed.shape[-1] * 8 // bits)
+    per_byte = 8 // bits
     parts = [(packed >> (bits * i)) & mask for i in range(per_byte)]
     return torch.stack(parts, dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)

@@ -1,5 +1,6 @@
-"""KIVI-style asymmetric integer codes (INT4 / INT2): per group of `group` elements an fp16 scale
+"""KIVI-style asymmetric integer codes (INT4 / INT3 / INT2): per group of `group` elements an fp16 scale
 and an fp16 minimum; `x ~ min + code * scale`, codes round half to even and clamp to [0, 2^bits-1].
+INT3 packs 8 codes in 3 bytes (one bit stream), so its groups are multiples of 8.
 Which axis the groups run along (keys per channel, values per token) is the cache's choice.
 
 `fit="lsq"` picks each group's scale and minimum for least squared error instead of from its range:
@@ -14,7 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.blocks import check_finite, check_fit, from_blocks, pack_bits, to_blocks, unpack_bits
+from kvstrata.codecs.blocks import (check_finite, check_fit, codes_per_unit, from_blocks, pack_bits, to_blocks,
+                                   unpack_bits)
 from kvstrata.codecs.qtensor import QTensor
 
 FP16_MAX = 65504.0
@@ -55,9 +57,9 @@ class _IntCodec:
 
     def __post_init__(self):
         check_fit(self.name, self.fit)
-        per_byte = 8 // self.bits
-        if not 0 < self.group <= 4096 or self.group % per_byte:
-            raise ValueError(f"{self.name}: group must be a positive multiple of {per_byte}, at most 4096, "
+        unit = codes_per_unit(self.bits)
+        if not 0 < self.group <= 4096 or self.group % unit:
+            raise ValueError(f"{self.name}: group must be a positive multiple of {unit}, at most 4096, "
                              f"got {self.group}")
 
     def encode(self, x: torch.Tensor) -> QTensor:
@@ -86,6 +88,13 @@ class INT4(_IntCodec):
     name: ClassVar[str] = "int4"
     summary: ClassVar[str] = "INT4 asymmetric, fp16 scale + min per group (KIVI axes in the cache)"
     bits: ClassVar[int] = 4
+
+
+@dataclass(frozen=True)
+class INT3(_IntCodec):
+    name: ClassVar[str] = "int3"
+    summary: ClassVar[str] = "INT3 asymmetric, fp16 scale + min per group (KIVI axes in the cache)"
+    bits: ClassVar[int] = 3
 
 
 @dataclass(frozen=True)

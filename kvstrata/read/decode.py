@@ -24,7 +24,7 @@ from kvstrata.read.kernels import cpu
 
 # codec name -> kernel kind; elements per scale block along head_dim (None: the codec's own field)
 _KINDS = {"bf16": (1, 0), "fp8": (2, None), "nvfp4": (3, 16), "mxfp4": (4, 32), "int4": (5, None),
-          "int2": (6, None)}
+          "int2": (6, None), "int3": (7, None)}
 F32 = 0
 _NONE = torch.empty(0)
 

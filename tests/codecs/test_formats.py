@@ -109,6 +109,13 @@ def test_int_bytes():
     assert quantize(x, "int4").nbytes == 6 * 32 + 6 * 2 * 4  # 2 groups of 32: codes + fp16 scale + fp16 min
     assert quantize(x, "int2").nbytes == 6 * 16 + 6 * 2 * 4
     assert quantize(x, "int2:group=64").nbytes == 6 * 16 + 6 * 4
+    assert quantize(x, "int3").nbytes == 6 * 24 + 6 * 2 * 4  # 8 codes in 3 bytes
+
+
+def test_int3_codes_straddle_bytes_and_decode_exactly():
+    x = torch.arange(8.0).repeat(2, 4)  # every level 0..7, each in every position of its 3-byte word
+    q = quantize(x, "int3")
+    assert q.parts["codes"].shape[-1] == 12 and torch.equal(q.dequantize(), x)
 
 
 def test_int_levels_exact():
@@ -117,7 +124,7 @@ def test_int_levels_exact():
     assert torch.equal(d, x)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4", "int4", "int3", "int2"])
 def test_zero_and_constant_blocks(fmt):
     z = torch.zeros(3, 64)
     assert torch.equal(quantize(z, fmt).dequantize(), z)
@@ -125,7 +132,7 @@ def test_zero_and_constant_blocks(fmt):
     assert torch.equal(quantize(c, fmt).dequantize(), c)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4", "int4", "int3", "int2"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_is_a_clear_error(fmt, bad):
     x = torch.randn(2, 32)
@@ -144,6 +151,8 @@ def test_bad_specs_name_the_problem():
         quantize(x, "int4:group=abc")
     with pytest.raises(ValueError, match="positive multiple of 4"):
         quantize(x, "int2:group=6")
+    with pytest.raises(ValueError, match="int3: group must be a positive multiple of 8"):
+        quantize(x, "int3:group=12")
     with pytest.raises(TypeError):
         quantize([1.0, 2.0], "fp8")
 
@@ -153,7 +162,7 @@ def test_int_refuses_values_beyond_fp16_scale_range():
         quantize(torch.tensor([1e6, 0.0]), "int4")
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4", "nvfp4", "int4", "int3", "int2"])
 def test_empty_tensors_round_trip(fmt):
     x = torch.zeros(2, 0, 32)
     q = quantize(x, fmt)

@@ -45,7 +45,7 @@ def test_nvfp4_round_trip_is_decode_of_encode(x, own, factor, fit):
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=tensors(), fmt=st.sampled_from([("int4:group=8", 8), ("int4:group=32", 32), ("int2:group=8", 8),
+@given(x=tensors(), fmt=st.sampled_from([("int4:group=8", 8), ("int4:group=32", 32), ("int2:group=8", 8), ("int3:group=8", 8),
                                           ("int2:group=32", 32), ("nvfp4", 16)]))
 def test_lsq_fit_is_never_worse_than_min_max_per_group(x, fmt):
     """`fit=lsq` keeps the min-max scales wherever its choice does not lower a group's squared error,
@@ -76,3 +76,16 @@ def test_lsq_fit_lowers_the_error_of_gaussian_groups(spec):
 def test_an_unknown_fit_is_refused_with_a_clear_error(spec):
     with pytest.raises(ValueError, match="fit must be one of minmax, lsq"):
         quantize(torch.randn(4, 32), spec)
+
+
+@given(bits=st.integers(1, 8), units=st.integers(0, 4), rows=st.integers(1, 3), data=st.data())
+def test_bit_packing_round_trips_every_width(bits, units, rows, data):
+    """Codes of any width 1..8 pack into `bits` bytes per 8 codes and unpack to themselves."""
+    from kvstrata.codecs.blocks import codes_per_unit, pack_bits, unpack_bits
+
+    n = units * codes_per_unit(bits)
+    seed = data.draw(st.integers(0, 2**16))
+    codes = torch.randint(0, 1 << bits, (rows, n), generator=torch.Generator().manual_seed(seed))
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, n * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits), codes.to(torch.uint8))

@@ -21,7 +21,7 @@ from kvstrata.read.kernels import cpu
 STORE = [n for n, e in METHODS.items() if e.stratum == "store"]
 SPECS = [f"{n}:r=0" if e.defaults.get("keys") == "channel" else n for n,
                                       e in METHODS.items() if e.stratum == "store"]
-SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "fp8:block=32", "nvfp4;sliding=fp8", "mxfp4:r=5"]
+SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "int3:keys=token,group=16,r=8", "fp8:block=32", "nvfp4;sliding=fp8", "mxfp4:r=5"]
 # depth-shared layers whose heads are all exact read their codes too (tiny Gemma-3 has one global
 # layer, so no group forms there and its layers stay per-layer)
 MODEL_SPECS = SPECS + ["depth:g=2,mode=exact,block=8+nvfp4", "depth:g=4,mode=exact,block=16+int4:r=0",
@@ -29,7 +29,8 @@ MODEL_SPECS = SPECS + ["depth:g=2,mode=exact,block=8+nvfp4", "depth:g=4,mode=exa
                        "nvfp4:sink=4,center=1,rot=hadamard", "int4:group=16,r=0,sink=2",
                        "int4:keys=channel,group=16,r=0,v=nvfp4,sink=3,center=1,rot=hadamard",
                        # least-squares scales, INT4 values per token in groups of their own
-                       "int4:keys=channel,group=16,r=0,v=int4,vgroup=8,fit=lsq,sink=2,rot=hadamard"]
+                       "int4:keys=channel,group=16,r=0,v=int4,vgroup=8,fit=lsq,sink=2,rot=hadamard",
+                       "int3:keys=channel,group=16,r=0,v=int3,vgroup=16,fit=lsq,sink=2,rot=hadamard"]
 # shapes: (batch, query heads, kv heads, head_dim) as SmolLM2 (GQA 3) and Gemma-3 (GQA 4, d = 256) have them
 SHAPES = [(1, 9, 3, 64), (2, 4, 1, 256), (1, 2, 2, 48)]
 

@@ -1,6 +1,6 @@
 // Decode attention straight from encoded KV (one query token per sequence), flash-decoding style.
 //
-// The layer's K and V are runs of encoded tokens (bf16, FP8 E4M3, NVFP4, MXFP4, INT4/INT2 with
+// The layer's K and V are runs of encoded tokens (bf16, FP8 E4M3, NVFP4, MXFP4, INT4/INT3/INT2 with
 // keys per token or grouped per channel as KIVI stores them, or float32 for the full-precision
 // tail). Each work item (batch row, KV head, slice of tokens) decodes a tile of at most 64 tokens
 // into a small buffer, scores it against every query head of the KV group (GQA: one pass over the
@@ -21,7 +21,7 @@
 
 namespace {
 
-enum Kind { F32 = 0, BF16 = 1, FP8 = 2, NVFP4 = 3, MXFP4 = 4, INT4 = 5, INT2 = 6 };
+enum Kind { F32 = 0, BF16 = 1, FP8 = 2, NVFP4 = 3, MXFP4 = 4, INT4 = 5, INT2 = 6, INT3 = 7 };
 constexpr int TILE = 64;
 constexpr int MAX_DIM = 1024;
 constexpr int MAX_GROUP = 4096;  // tokens per channel group of KIVI keys
@@ -107,10 +107,18 @@ struct Run {
   int64_t visible() const { return length - skip; }
 };
 
-// Integer codes of `n` elements (`bits` wide, packed low bits first) as floats.
+inline int int_bits(int kind) { return kind == INT4 ? 4 : kind == INT3 ? 3 : 2; }
+
+// Integer codes of `n` elements (`bits` wide, one bit stream, low bits first) as floats; INT3
+// packs 8 codes in 3 bytes, so `n` is a multiple of 8 there.
 inline void int_codes(const uint8_t* p, int n, int bits, float* out) {
   if (bits == 4)
     for (int j = 0; j < n / 2; j++) std::memcpy(out + 2 * j, INT4_CODES[p[j]], 8);
+  else if (bits == 3)
+    for (int j = 0; j < n / 8; j++) {
+      const uint32_t w = p[3 * j] | (uint32_t)p[3 * j + 1] << 8 | (uint32_t)p[3 * j + 2] << 16;
+      for (int i = 0; i < 8; i++) out[8 * j + i] = (float)((w >> (3 * i)) & 7);
+    }
   else
     for (int j = 0; j < n / 4; j++) std::memcpy(out + 4 * j, INT2_CODES[p[j]], 16);
 }
@@ -193,8 +201,9 @@ inline void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, flo
       break;
     }
     case INT4:
+    case INT3:
     case INT2: {
-      const int bits = r.kind == INT4 ? 4 : 2;
+      const int bits = int_bits(r.kind);
       const int blk = r.block, bytes = blk * bits / 8;
       const int nb = (d + blk - 1) / blk;
       const uint8_t* mn = r.mins + b * r.ms[0] + h * r.ms[1] + t * r.ms[2];
@@ -214,7 +223,7 @@ inline void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, flo
 // Keys grouped per channel (KIVI): decode tokens [t0, t0 + n) of the run, transposed, into
 // outT[c * TILE + i] (token i of the tile, channel c). The tokens lie in one block of `block`.
 void decode_channel_tile(const Run& r, int64_t b, int64_t h, int64_t t0, int n, int d, float* outT) {
-  const int bits = r.kind == INT4 ? 4 : 2;
+  const int bits = int_bits(r.kind);
   const int64_t blk = t0 / r.block, off = t0 % r.block;
   float codes[MAX_GROUP];
   for (int ch = 0; ch < d; ch++) {
@@ -235,7 +244,7 @@ Run make_run(const std::vector<torch::Tensor>& parts, const int64_t* meta, float
   r.skip = meta[3];
   r.block = (int)meta[4];
   r.tscale = tscale;
-  TORCH_CHECK(r.kind >= F32 && r.kind <= INT2, "unknown run kind");
+  TORCH_CHECK(r.kind >= F32 && r.kind <= INT3, "unknown run kind");
   TORCH_CHECK(!r.channel || (r.block > 0 && r.block <= MAX_GROUP), "channel groups must hold 1..4096 tokens");
   TORCH_CHECK(r.channel || r.kind <= BF16 || r.block > 0, "a block size is needed");
   const torch::Tensor* ts[3] = {&parts[3 * i], &parts[3 * i + 1], &parts[3 * i + 2]};

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-F32, BF16, FP8, NVFP4, MXFP4, INT4, INT2 = range(7)
+F32, BF16, FP8, NVFP4, MXFP4, INT4, INT2, INT3 = range(8)
 
 
 @triton.jit
@@ -89,24 +89,25 @@ def _decode(codes, scales, mins, tscale, rows, valid, bh, cs_bh, cs_t, ss_bh, ss
         else:
             s = tl.exp2((sb - 127).to(tl.float32))
         return _e2m1(c) * s
-    # INT4 / INT2 (KIND 5 / 6): x = min + code * scale, fp16 scale and min per group of BLK
-    BITS: tl.constexpr = 4 if KIND == 5 else 2
-    PER: tl.constexpr = 8 // BITS
+    # INT4 / INT2 / INT3 (KIND 5 / 6 / 7): x = min + code * scale, fp16 scale and min per group of BLK;
+    # codes are one bit stream (element e at bits [e * BITS, (e + 1) * BITS)); an INT3 code may
+    # straddle two bytes
+    BITS: tl.constexpr = 4 if KIND == 5 else (3 if KIND == 7 else 2)
     if CHANNEL:  # keys grouped per channel: groups of BLK tokens along each channel
         blk = r // BLK
-        j = r % BLK
-        byte = tl.load(
-            codes + bh * cs_bh + d[None, :] * cs_d + blk[:, None] * cs_t + (j // PER)[:, None], mask=m2,
-            other=0,
-        ).to(tl.int32)
-        code = (byte >> ((j % PER) * BITS)[:, None]) & ((1 << BITS) - 1)
+        bit = (r % BLK) * BITS
+        at = codes + bh * cs_bh + d[None, :] * cs_d + blk[:, None] * cs_t + (bit // 8)[:, None]
+        shift = (bit % 8)[:, None]
         off = bh * ss_bh + d[None, :] * ss_d + blk[:, None] * ss_t
     else:
-        byte = tl.load(codes + bh * cs_bh + r[:, None] * cs_t + (d // PER)[None, :], mask=m2, other=0).to(
-            tl.int32
-        )
-        code = (byte >> ((d % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+        bit = d * BITS
+        at = codes + bh * cs_bh + r[:, None] * cs_t + (bit // 8)[None, :]
+        shift = (bit % 8)[None, :]
         off = bh * ss_bh + r[:, None] * ss_t + (d // BLK)[None, :]
+    word = tl.load(at, mask=m2, other=0).to(tl.int32)
+    if BITS == 3:
+        word |= tl.load(at + 1, mask=m2 & (shift > 5), other=0).to(tl.int32) << 8
+    code = (word >> shift) & ((1 << BITS) - 1)
     s = _half(tl.load(scales.to(tl.pointer_type(tl.uint16)) + off, mask=m2, other=0).to(tl.int32))
     lo = _half(tl.load(mins.to(tl.pointer_type(tl.uint16)) + off, mask=m2, other=0).to(tl.int32))
     return lo + code.to(tl.float32) * s
