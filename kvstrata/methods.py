@@ -187,7 +187,8 @@ def _value_codec(name: str, vname: str, vgroup: str | None) -> Codec:
     if vgroup is None:
         return entry.cls()
     if "group" not in {f.name for f in fields(entry.cls)}:
-        raise ValueError(f"{name}: parameter vgroup needs a grouped values codec (int4, int3, int2), got v={vname}")
+        raise ValueError(f"{name}: parameter vgroup needs a grouped values codec (int4, int3, int2), "
+                         f"got v={vname}")
     return entry.cls(**coerce_params(entry.cls, {"group": vgroup}, f"method {name} (vgroup)"))
 
 

@@ -60,7 +60,8 @@ head), `v` (a store codec's name: the
 values are encoded with it, default parameters, while the keys keep the recipe's codec;
 `int2:r=32,v=nvfp4` holds KIVI INT2 keys and NVFP4 values; what `kvstrata tune --kv-apart` emits),
 `vgroup` (`N`, with `v=int4` / `v=int3` / `v=int2` only: the values' group, per token along `head_dim`;
-`v=int4,vgroup=64` is 4.5 bits on a 64-dim head, NVFP4's; `v=int3,vgroup=64` 3.5 bits) and `fit` (`minmax` or `lsq`, default
+`v=int4,vgroup=64` is 4.5 bits on a 64-dim head, NVFP4's; `v=int3,vgroup=64` 3.5 bits) and `fit`
+(`minmax` or `lsq`, default
 minmax: `lsq` picks scales for least squared error, kept per group only where they beat the range's;
 INT4 / INT3 / INT2 refit each group's scale and minimum by a few rounds of rounding and a least-squares
 line, NVFP4 maps each block's largest magnitude to 6, 5 or 4, whichever errs least; same format and

@@ -15,8 +15,15 @@ from typing import ClassVar
 
 import torch
 
-from kvstrata.codecs.blocks import (check_finite, check_fit, codes_per_unit, from_blocks, pack_bits, to_blocks,
-                                   unpack_bits)
+from kvstrata.codecs.blocks import (
+    check_finite,
+    check_fit,
+    codes_per_unit,
+    from_blocks,
+    pack_bits,
+    to_blocks,
+    unpack_bits,
+)
 from kvstrata.codecs.qtensor import QTensor
 
 FP16_MAX = 65504.0

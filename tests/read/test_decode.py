@@ -21,7 +21,8 @@ from kvstrata.read.kernels import cpu
 STORE = [n for n, e in METHODS.items() if e.stratum == "store"]
 SPECS = [f"{n}:r=0" if e.defaults.get("keys") == "channel" else n for n,
                                       e in METHODS.items() if e.stratum == "store"]
-SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "int3:keys=token,group=16,r=8", "fp8:block=32", "nvfp4;sliding=fp8", "mxfp4:r=5"]
+SPECS += ["int4:r=0,keys=token", "int2:group=16,r=8", "int3:keys=token,group=16,r=8", "fp8:block=32",
+           "nvfp4;sliding=fp8", "mxfp4:r=5"]
 # depth-shared layers whose heads are all exact read their codes too (tiny Gemma-3 has one global
 # layer, so no group forms there and its layers stay per-layer)
 MODEL_SPECS = SPECS + ["depth:g=2,mode=exact,block=8+nvfp4", "depth:g=4,mode=exact,block=16+int4:r=0",

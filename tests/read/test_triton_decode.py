@@ -9,8 +9,8 @@ from kvstrata.methods import parse_method
 from kvstrata.read.decode import EncodedView, decode_attention, triton_runs
 from kvstrata.read.kernels import triton_decode
 
-SPECS = ["bf16", "fp8", "fp8:block=32", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0", "int3:r=0", "int4:r=0,keys=token",
-         "int3:r=0,keys=token"]
+SPECS = ["bf16", "fp8", "fp8:block=32", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0", "int3:r=0",
+         "int4:r=0,keys=token", "int3:r=0,keys=token"]
 
 
 def _setup(spec: str, shape: tuple, seed: int = 0):
@@ -46,7 +46,8 @@ def test_triton_equals_reference(spec, shape):
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", ["nvfp4:v=int2", "int2:r=0,v=nvfp4", "int4:r=0,v=int3", "fp8:v=mxfp4", "bf16"])
+@pytest.mark.parametrize("spec", ["nvfp4:v=int2", "int2:r=0,v=nvfp4", "int4:r=0,v=int3", "fp8:v=mxfp4",
+                                  "bf16"])
 def test_triton_takes_mixed_codecs_and_a_score_bias(spec):
     """K and V in different codecs, and the score bias outlier channels add, dense and sparse."""
     shape = (2, 4, 2, 48)
