@@ -204,7 +204,7 @@ inline void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, flo
     case INT3:
     case INT2: {
       const int bits = int_bits(r.kind);
-      const int blk = r.block, bytes = blk * bits / 8;
+      const int blk = r.block;
       const int nb = (d + blk - 1) / blk;
       const uint8_t* mn = r.mins + b * r.ms[0] + h * r.ms[1] + t * r.ms[2];
       int_codes(c, nb * blk, bits, out);
@@ -214,7 +214,6 @@ inline void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, flo
         float* o = out + k * blk;
         for (int j = 0; j < blk; j++) o[j] = lo + o[j] * scale;
       }
-      (void)bytes;
       break;
     }
   }
