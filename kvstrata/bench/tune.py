@@ -54,6 +54,7 @@ class TuneConfig:
     seed: int = 0
     haystack: str = "noise"
     kv_apart: bool = False  # keys and values of a layer on rungs of their own
+    layer_keep: str = "uniform"  # with --keep: one fraction for all layers, or split by attention mass
     out: Path = field(default_factory=lambda: Path("runs/tune"))
 
     def check(self) -> None:
@@ -68,6 +69,8 @@ class TuneConfig:
         if set(self.calib) & set(self.heldout):
             raise ValueError(f"calibration instances {sorted(set(self.calib) & set(self.heldout))} are also "
                              "held out: they must be disjoint")
+        if self.layer_keep not in ("uniform", "mass"):
+            raise ValueError(f"--layer-keep must be uniform or mass, got {self.layer_keep!r}")
         if not self.calib or not self.heldout:
             raise ValueError("tuning needs calibration and held-out instances")
         for t in self.tasks:
@@ -105,7 +108,17 @@ class Evaluator:
         tmp.write_text(json.dumps(self.state))
         os.replace(tmp, self.path)
 
-    def _prefill(self, task: str, index: int, keep: bool):
+    def memo(self, key: str, compute):
+        """`compute()`, measured once and kept in the state file (a resumed run reads it back)."""
+        saved = self.state.setdefault("memo", {})
+        if key not in saved:
+            saved[key] = compute()
+            self._save()
+        return saved[key]
+
+    def prefill(self, task: str, index: int, keep: bool = True):
+        """(instance, Prefill, fidelity continuation and reference logits or None), kept in memory
+        with `keep`."""
         if (task, index) in self.prefills:
             return self.prefills[(task, index)]
         model, tok = self.model
@@ -127,7 +140,7 @@ class Evaluator:
         results = self.state["results"]
         missing = [s for s in dict.fromkeys(specs) if f"{task}/{index}/{s}" not in results]
         if missing:
-            inst, pre, extra = self._prefill(task, index, keep)
+            inst, pre, extra = self.prefill(task, index, keep)
             model, tok = self.model
             with torch.inference_mode():
                 for spec in missing:
@@ -229,7 +242,7 @@ def upgrade_path(kl: list[list[float]], size: list[list[float]]) -> list[tuple[i
         path.append(tuple(cur))
 
 
-def _ranges(layers: list[int]) -> str:
+def layer_ranges(layers: list[int]) -> str:
     out, start = [], None
     for i, x in enumerate(layers):
         start = x if start is None else start
@@ -250,7 +263,7 @@ def render(assign: tuple[int, ...], ladder: tuple[str, ...], kv_apart: bool = Fa
     ranked = sorted(order, key=order.__getitem__)
     base = max(ranked, key=texts.count)  # the first of the most used: ties go to the better rungs
     chunks = [base] + [
-        f"layers[{_ranges([i for i, x in enumerate(texts) if x == t])}]={t}" for t in ranked if t != base
+        f"layers[{layer_ranges([i for i, x in enumerate(texts) if x == t])}]={t}" for t in ranked if t != base
     ]
     return ";".join(chunks)
 
@@ -298,6 +311,8 @@ def passes(q: dict, cfg: TuneConfig) -> bool:
 def tune(cfg: TuneConfig, load_model=None) -> dict:
     """Search, certify on held-out instances, write `OUT/certificate.json`; returns the certificate."""
     cfg.check()
+    if cfg.layer_keep != "uniform":
+        raise ValueError("--layer-keep splits a keep policy's budget over layers: give --keep")
     ev = Evaluator(cfg, load_model)
     kl, size = sensitivity(ev, cfg)
     path = upgrade_path(kl, size)

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--keep", metavar="POLICY",
                     help="trade tokens for bits at --bytes: each rung with the largest keep fraction of "
                     "POLICY (e.g. tova) that fits, the best on calibration certified")
+    tu.add_argument("--layer-keep", choices=("uniform", "mass"), default="uniform",
+                    help="with --keep: one fraction for every layer, or fractions that lose each layer "
+                    "the same share of attention mass on the calibration prompts (mean fitted to --bytes)")
     tu.add_argument("--out", default="runs/tune")
     tu.set_defaults(func=c.cmd_tune)
 

@@ -178,7 +178,8 @@ def cmd_tune(args) -> int:
         ladder=tuple(split_methods(args.ladder)) if args.ladder else DEFAULT_LADDER,
         tasks=csv_items(args.tasks) if args.tasks else RETRIEVAL, calib=_indices(args.calib, "--calib"),
         heldout=_indices(args.heldout, "--heldout"), max_drop=args.max_drop, top1=args.top1, bytes=args.bytes,
-        seed=args.seed, haystack=args.haystack, kv_apart=args.kv_apart, out=Path(args.out),
+        seed=args.seed, haystack=args.haystack, kv_apart=args.kv_apart, layer_keep=args.layer_keep,
+        out=Path(args.out),
     )
     if args.keep:  # before any model loads
         check_keep(cfg, args.keep)
