@@ -33,7 +33,8 @@ def lost_mass(scores: torch.Tensor) -> list[float]:
 
 def policy_scores(window_rows: torch.Tensor | None, window: int) -> torch.Tensor | None:
     """A prefill layer's observation-window rows `[1, kv_heads, w, n]` -> the policy's scores `[n]`:
-    its last `window` rows summed, averaged over KV heads (None for layers without scores)."""
+    its last `window` rows summed, averaged over KV heads (None for layers without scores). TOVA's
+    own scores; for SnapKV an approximation (no pooling, its observation window not set apart)."""
     if window_rows is None:
         return None
     return window_rows[0, :, -window:, :].float().sum(1).mean(0)

@@ -308,11 +308,16 @@ def passes(q: dict, cfg: TuneConfig) -> bool:
     return kept and q["top1"] >= cfg.top1
 
 
-def tune(cfg: TuneConfig, load_model=None) -> dict:
-    """Search, certify on held-out instances, write `OUT/certificate.json`; returns the certificate."""
+def check_plain(cfg: TuneConfig) -> None:
+    """Refuse what the per-layer search cannot do (without --keep) before anything loads."""
     cfg.check()
     if cfg.layer_keep != "uniform":
         raise ValueError("--layer-keep splits a keep policy's budget over layers: give --keep")
+
+
+def tune(cfg: TuneConfig, load_model=None) -> dict:
+    """Search, certify on held-out instances, write `OUT/certificate.json`; returns the certificate."""
+    check_plain(cfg)
     ev = Evaluator(cfg, load_model)
     kl, size = sensitivity(ev, cfg)
     path = upgrade_path(kl, size)

@@ -169,7 +169,7 @@ def cmd_bench(args) -> int:
 
 def cmd_tune(args) -> int:
     from kvstrata.bench.tasks import RETRIEVAL
-    from kvstrata.bench.tune import DEFAULT_LADDER, TuneConfig, tune
+    from kvstrata.bench.tune import DEFAULT_LADDER, TuneConfig, check_plain, tune
     from kvstrata.bench.tune_keep import check_keep, tune_keep
     from kvstrata.models.loader import check as check_model
 
@@ -184,7 +184,7 @@ def cmd_tune(args) -> int:
     if args.keep:  # before any model loads
         check_keep(cfg, args.keep)
     else:
-        cfg.check()
+        check_plain(cfg)
     check_model(args.model)
     check_context(args.model, args.length, "--length")
     cert = tune_keep(cfg, args.keep) if args.keep else tune(cfg)
