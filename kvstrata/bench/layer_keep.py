@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from kvstrata.bench.tune import REFERENCE, layer_ranges
+from kvstrata.bench.tune import REFERENCE, with_overrides
 
 STEPS = 100  # fractions in hundredths
 
@@ -87,7 +87,5 @@ def render_keep(policy: str, fractions: list[float | None], rung: str) -> str:
 
     scored = {i: recipe(f) for i, f in enumerate(fractions) if f is not None}
     counts = Counter(scored.values())
-    base = max(counts, key=lambda t: (counts[t], -min(i for i, x in scored.items() if x == t)))
-    others = [t for t in dict.fromkeys(scored.values()) if t != base]
-    return ";".join([base] + [f"layers[{layer_ranges([i for i, x in scored.items() if x == o])}]={o}"
-                              for o in others])
+    order = list(counts)  # first use first: ties go to the lower layers
+    return with_overrides(max(order, key=counts.__getitem__), scored, order)

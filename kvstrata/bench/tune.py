@@ -242,7 +242,7 @@ def upgrade_path(kl: list[list[float]], size: list[list[float]]) -> list[tuple[i
         path.append(tuple(cur))
 
 
-def layer_ranges(layers: list[int]) -> str:
+def _ranges(layers: list[int]) -> str:
     out, start = [], None
     for i, x in enumerate(layers):
         start = x if start is None else start
@@ -262,10 +262,14 @@ def render(assign: tuple[int, ...], ladder: tuple[str, ...], kv_apart: bool = Fa
         order[t] = min(order.get(t, p), p)
     ranked = sorted(order, key=order.__getitem__)
     base = max(ranked, key=texts.count)  # the first of the most used: ties go to the better rungs
-    chunks = [base] + [
-        f"layers[{layer_ranges([i for i, x in enumerate(texts) if x == t])}]={t}" for t in ranked if t != base
-    ]
-    return ";".join(chunks)
+    return with_overrides(base, dict(enumerate(texts)), ranked)
+
+
+def with_overrides(base: str, texts: dict[int, str], order: list[str]) -> str:
+    """`base`, then `layers[...]=recipe` for each recipe of `order` but `base`, on the layers whose
+    recipe in `texts` (layer -> recipe) it is."""
+    return ";".join([base] + [f"layers[{_ranges([i for i, x in texts.items() if x == t])}]={t}"
+                              for t in order if t != base])
 
 
 def quality(ev: Evaluator, cfg: TuneConfig, spec: str, indices, keep: bool = True,
