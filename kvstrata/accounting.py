@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvstrata.codecs import spec_of
 from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
 from kvstrata.hf.run import bf16_bytes_per_token
-from kvstrata.methods import parse_method
+from kvstrata.methods import parse_method, render_recipe
 
 
 def account_hf(config, method: str, tokens: int, dtype: torch.dtype = torch.float32) -> dict:
@@ -37,7 +36,7 @@ def account_hf(config, method: str, tokens: int, dtype: torch.dtype = torch.floa
     ):
         rows.append(
             {
-                "layer": i, "class": cls, "window": window, "recipe": _recipe_text(layer.recipe),
+                "layer": i, "class": cls, "window": window, "recipe": render_recipe(layer.recipe),
                 "held_tokens": layer.stored_tokens(), "bytes": n, "bytes_per_token": n / tokens,
             }
         )
@@ -48,15 +47,6 @@ def account_hf(config, method: str, tokens: int, dtype: torch.dtype = torch.floa
         "bytes_per_token": total / tokens, "bf16_bytes_per_token": ref,
         "compression_vs_bf16": ref / (total / tokens),
     }
-
-
-def _recipe_text(recipe) -> str:
-    parts = (
-        [spec_of(recipe.codec) + (f" (values {spec_of(recipe.vcodec)})" if recipe.vcodec else "")]
-        + ([f"keep {spec_of(recipe.keep)}"] if recipe.keep else [])
-        + ([f"r={recipe.r}"] if recipe.r else [])
-    )
-    return " ".join(parts)
 
 
 def format_v41(report: dict, plan) -> str:

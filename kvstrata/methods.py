@@ -1,5 +1,6 @@
 """Method specs: strings users type (`nvfp4:r=64`, `int2:group=32,r=128`, `nvfp4;sliding=fp8`,
-`layers[0-3]=fp8;layers[4-29]=int2:rot=hadamard`).
+`layers[0-3]=fp8;layers[4-29]=int2:rot=hadamard`), parsed once into config objects and rendered
+back (`render`) where text leaves the process.
 
 Grammar::
 
@@ -12,24 +13,27 @@ Grammar::
 A bare recipe (first chunk only) applies to every layer (`bf16` when absent); `full=` / `sliding=`
 override one class of layers (V4.1 keeps global KV in FP4 and sliding-window KV in FP8:
 `nvfp4;sliding=fp8`); `layers[...]=` overrides the layers listed and wins over both (what
-`kvstrata tune` emits). One registry
-(`kvstrata.registry`) resolves names; each entry says its stratum and its own parameters. A parsed
-spec holds config instances; text is rendered back from them only at the edges (`spec_of`).
+`kvstrata tune` emits). One registry (`kvstrata.registry`) resolves names. A store component's
+parameters are its codec's fields plus the recipe knobs: the recipe's own (`RECIPE_KNOBS` below)
+and every registered key transform's (`kvstrata.codecs.transform`), each declared once.
+Invariant: `parse_method(render(spec)) == spec` for every parsed spec.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-
-import torch
+from types import MappingProxyType
 
 from kvstrata import registry
-from kvstrata.codecs import BF16, Codec, build, coerce_params, split_spec
-from kvstrata.codecs.outliers import KEPT_FORMATS
-from kvstrata.codecs.rotation import hadamard_rotation
+from kvstrata.codecs import BF16, Codec, build, coerce_params, spec_of, split_spec
+from kvstrata.codecs.blocks import FITS
+from kvstrata.codecs.transform import DEPTH, Transform
 from kvstrata.keep import KeepPolicy
+from kvstrata.knobs import Knob, choice, field_knobs, integer
 from kvstrata.read import TopK
 from kvstrata.registry import REGISTRY
 
@@ -43,48 +47,46 @@ METHODS = REGISTRY  # name -> registry Entry (stratum, config class, defaults, t
 class StoreRecipe:
     """How one class of layers stores K/V: config instances, resolved once when the spec is parsed.
 
-    codec: the element codec; r: most recent tokens kept in full precision (KIVI residual, 0
-    allowed); key_axis: "token" (scales per token, along head_dim) or "channel" (KIVI keys: groups
-    run along tokens, so tokens are encoded `group` at a time); keep: the keep policy applied to
-    the context after prefill; depth: the depth-sharing codec (FreqDepthKV, MiniCache) for groups
-    of adjacent layers; read: the top-k sparse decode-read config.
+    codec: the element codec (the keys'; `vcodec` the values' when `v=` names another); r: most
+    recent tokens kept in full precision (KIVI residual, 0 allowed); key_axis: "token" (scales per
+    token, along head_dim) or "channel" (KIVI keys: groups run along tokens, so tokens are encoded
+    `group` at a time); sink: the oldest tokens of full-attention layers kept in bf16;
+    transforms: the key transforms applied before encoding (in pipeline order); keep: the keep
+    policy applied to the context after prefill; depth: the depth-sharing codec (FreqDepthKV,
+    MiniCache) for groups of adjacent layers; read: the top-k sparse decode-read config.
     """
 
     codec: Codec = BF16()
     r: int = 0
     key_axis: str = "token"
+    sink: int = 0
+    vcodec: Codec | None = None
+    transforms: tuple[Transform, ...] = ()
     keep: KeepPolicy | None = None
     depth: object | None = None
     read: TopK | None = None
-    rot: str = "none"  # "hadamard": K and V rotated along head_dim before encoding
-    rot_seed: int = 0
-    smooth: float = 0.0  # > 0: keys divided per channel by (prefill absmax)^smooth, the query multiplied
-    center: bool = False  # keys less their per-channel prefill mean before encoding (added back on decode)
-    sink: int = 0  # the first `sink` tokens of full-attention layers stay in bf16 (attention sinks)
-    outliers: int = 0  # > 0: that many key channels per KV head kept apart (codecs.outliers)
-    outlier_fmt: str = "bf16"  # what the kept channels are stored in (`ofmt=`: bf16 or fp8)
-    vcodec: Codec | None = None  # the values' codec when it differs from the keys' (`v=<codec>`)
 
     @property
     def value_codec(self) -> Codec:
         """The codec values are encoded with (the keys' unless `v=` names another)."""
         return self.vcodec or self.codec
 
-    def rotation(self, head_dim: int) -> torch.Tensor | None:
-        """The rotation applied before encoding (`[head_dim, head_dim]`), or None."""
-        return hadamard_rotation(head_dim, self.rot_seed) if self.rot == "hadamard" else None
-
     @cached_property
     def key_group(self) -> int:
         """Tokens encoded together for keys (1 unless keys are grouped per channel)."""
         return getattr(self.codec, "group", 1) if self.key_axis == "channel" else 1
 
+    def transform(self, cls: type) -> Transform | None:
+        """The recipe's transform of class `cls`, or None."""
+        return next((t for t in self.transforms if isinstance(t, cls)), None)
+
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A parsed method: one recipe per layer class, and per-layer overrides (`layers[...]=`)."""
+    """A parsed method: one recipe per layer class, and per-layer overrides (`layers[...]=`).
+    `text` is what the user wrote (kept for output); equality is by the recipes."""
 
-    text: str
+    text: str = field(compare=False)
     full: StoreRecipe
     sliding: StoreRecipe
     layers: tuple[tuple[frozenset[int], StoreRecipe], ...] = ()
@@ -108,6 +110,114 @@ class MethodSpec:
         return self.text
 
 
+# --- what does not combine: the one place ---------------------------------------------------------
+#: conditions a knob may exclude: name -> (what the message calls it, whether a recipe meets it)
+CONDITIONS: dict[str, tuple[str, Callable[[StoreRecipe], bool]]] = {
+    "depth": ("depth sharing", lambda rec: rec.depth is not None),
+    "keys=channel": ("keys=channel", lambda rec: rec.key_axis == "channel"),
+}
+#: whole-model strata a per-layer recipe (`layers[...]=`) cannot take
+WHOLE_MODEL = "depth sharing and top-k reads apply to the whole model, not to listed layers"
+#: what the persistent store cannot hold, and why
+STORE_EXCLUDES = MappingProxyType({
+    "keep": "the persistent store keeps every token: keep policies do not apply there",
+    "depth": "depth-shared blocks span a group of layers and are encoded in blocks of their own, not at "
+             "the store's block boundaries: the persistent store does not hold them",
+})
+
+
+def check_store(spec: MethodSpec) -> None:
+    """Refuse a spec the persistent store cannot hold (`STORE_EXCLUDES`)."""
+    for rec in spec.recipes():
+        for stratum, why in STORE_EXCLUDES.items():
+            if getattr(rec, stratum) is not None:
+                raise ValueError(f"{spec.text!r}: {why}")
+
+
+# --- the recipe's own knobs -------------------------------------------------------------------------
+def _store_codec(text: str) -> str:
+    entry = REGISTRY.get(text.lower())
+    if entry is None or entry.stratum != "store":
+        known = ", ".join(n for n, e in REGISTRY.items() if e.stratum == "store")
+        raise ValueError(f"must name a store codec for the values ({known}), got {text!r}")
+    return text.lower()
+
+
+def _group_default(cls: type) -> int | None:
+    return next((f.default for f in dataclasses.fields(cls) if f.name == "group"), None)
+
+
+def _fit(rec: StoreRecipe) -> str:
+    """The one `fit` of every codec of the recipe that has one (a mix cannot be written)."""
+    fits = {c.fit for c in (rec.codec, rec.vcodec) if c is not None and hasattr(c, "fit")}
+    if len(fits) > 1:
+        raise ValueError(f"keys fit {rec.codec.fit!r} and values fit {rec.vcodec.fit!r} cannot be written "
+                         "as one spec (fit= applies to both)")
+    return fits.pop() if fits else "minmax"
+
+
+@dataclass(frozen=True)
+class RecipeKnob:
+    """A knob of the store recipe itself: its declaration, and how to read it off a recipe (None: the
+    recipe does not write it) with its default for a codec's registry entry."""
+
+    knob: Knob
+    get: Callable[[StoreRecipe], object]
+    default: Callable[[object], object]
+
+
+RECIPE_KNOBS: tuple[RecipeKnob, ...] = (
+    RecipeKnob(Knob("r", "the newest r tokens stay in full precision (KIVI's residual; int codecs default to "
+                    "128)", f"[0, {MAX_RECENT}]", integer(0, MAX_RECENT), position=10),
+               lambda rec: rec.r, lambda entry: entry.defaults.get("r", 0)),
+    RecipeKnob(Knob("keys", "token: key scales per token; channel: KIVI's keys, grouped per channel along "
+                    "tokens (integer codecs; the prefill is encoded whole, its last group ragged, later "
+                    "tokens wait in full precision for a whole group)", "token, channel",
+                    choice("token", "channel"), position=20),
+               lambda rec: rec.key_axis, lambda entry: entry.defaults.get("keys", "token")),
+    RecipeKnob(Knob("sink", "the first N tokens of full-attention layers stay in bf16 beside the codes, "
+                    "counted (attention sinks take much of every query's weight); sliding layers hold none",
+                    f"[0, {MAX_SINK}]", integer(0, MAX_SINK), position=60,
+                    excludes=MappingProxyType({"depth": DEPTH})),
+               lambda rec: rec.sink, lambda entry: 0),
+    RecipeKnob(Knob("v", "the values' codec (its default parameters) when it differs from the keys' "
+                    "(`int2:r=32,v=nvfp4`: KIVI INT2 keys, NVFP4 values)", "a store codec", _store_codec,
+                    position=80, excludes=MappingProxyType({"depth": DEPTH})),
+               lambda rec: rec.vcodec.name if rec.vcodec is not None else None, lambda entry: None),
+    RecipeKnob(Knob("vgroup", "the values' group with v=int4 / int3 / int2, per token along head_dim "
+                    "(`v=int4,vgroup=64` is 4.5 bits on a 64-dim head)", "a group the values' codec takes",
+                    str, position=81, needs="v"),
+               lambda rec: getattr(rec.vcodec, "group", None) if rec.vcodec is not None else None,
+               lambda entry: None),
+    RecipeKnob(Knob("fit", "lsq: scales chosen for least squared error (INT groups refit by least squares, "
+                    "NVFP4 blocks map their largest magnitude to 6, 5 or 4); same format and bytes, slower "
+                    "encoding; every codec of the recipe that has a fit gets it", ", ".join(FITS),
+                    choice(*FITS), position=90),
+               _fit, lambda entry: "minmax"),
+)
+
+
+def transform_knobs() -> list[tuple[type, Knob]]:
+    """(transform class, knob) for every registered key transform, in pipeline order; a transform's
+    switch (its first knob) carries what the transform excludes."""
+    return [(cls, replace(k, excludes=cls.excludes) if i == 0 else k)
+            for cls in registry.TRANSFORMS for i, (_, k) in enumerate(field_knobs(cls))]
+
+
+def knob_table() -> list[tuple[Knob, type | None]]:
+    """Every recipe knob with the transform class that declares it (None: the recipe's own), by
+    position."""
+    rows = [(rk.knob, None) for rk in RECIPE_KNOBS] + [(k, cls) for cls, k in transform_knobs()]
+    return sorted(rows, key=lambda row: row[0].position)
+
+
+def _value(where: str, k: Knob, raw: str):
+    try:
+        return k.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{where}: parameter {k.key} {e}") from None
+
+
 def _parse_component(text: str):
     """A store component -> StoreRecipe; a keep / depth / read component -> (stratum, instance)."""
     name, params = split_spec(text)
@@ -118,78 +228,63 @@ def _parse_component(text: str):
     entry = REGISTRY[name]
     if entry.stratum != "store":
         return (entry.stratum, build(text, entry.stratum))
-    r = params.pop("r", str(entry.defaults.get("r", 0)))
-    keys = params.pop("keys", entry.defaults.get("keys", "token"))
-    rot, seed = params.pop("rot", "none"), params.pop("rotseed", "0")
-    smooth = params.pop("smooth", "0")
-    center = params.pop("center", "0")
-    sink = params.pop("sink", "0")
-    outliers = params.pop("outliers", "0")
-    ofmt = params.pop("ofmt", None)
-    vname, vgroup = params.pop("v", None), params.pop("vgroup", None)
-    fit = params.pop("fit", None)
-    vcodec = None if vname is None else _value_codec(name, vname, vgroup)
-    if vgroup is not None and vname is None:
-        raise ValueError(f"{name}: parameter vgroup needs v=<codec> (the values' codec it groups)")
-    if not outliers.isdigit() or int(outliers) > 256:
-        raise ValueError(f"{name}: parameter outliers must be an integer in [0, 256], got {outliers!r}")
-    if ofmt is not None and ofmt not in KEPT_FORMATS:
-        raise ValueError(f"{name}: parameter ofmt must be one of {', '.join(KEPT_FORMATS)}, got {ofmt!r}")
-    if ofmt is not None and not int(outliers):
-        raise ValueError(f"{name}: parameter ofmt={ofmt} needs outliers=c (the kept channels it stores)")
-    if rot not in ("none", "hadamard"):
-        raise ValueError(f"{name}: parameter rot must be 'none' or 'hadamard', got {rot!r}")
-    if not seed.isdigit() or int(seed) >= 1 << 31:
-        raise ValueError(f"{name}: parameter rotseed must be an integer in [0, 2^31), got {seed!r}")
-    if not sink.isdigit() or int(sink) > MAX_SINK:
-        raise ValueError(f"{name}: parameter sink must be an integer in [0, {MAX_SINK}], got {sink!r}")
-    if center not in ("0", "1"):
-        raise ValueError(f"{name}: parameter center must be 0 or 1, got {center!r}")
-    try:
-        smooth_f = float(smooth)
-    except ValueError:
-        smooth_f = -1.0
-    if not 0 <= smooth_f <= 1:
-        raise ValueError(f"{name}: parameter smooth must be a number in [0, 1], got {smooth!r}")
-    try:
-        r_int = int(r)
-    except ValueError:
-        raise ValueError(f"{name}: parameter r={r!r} is not an integer") from None
-    if not 0 <= r_int <= MAX_RECENT:
-        raise ValueError(f"{name}: parameter r must be >= 0 and <= {MAX_RECENT}, got {r_int}")
-    if keys not in ("token", "channel"):
-        raise ValueError(f"{name}: parameter keys must be 'token' or 'channel', got {keys!r}")
-    cls = entry.cls
-    codec = cls(**coerce_params(cls, params, f"method {name}"))
-    if fit is not None:  # one fit for every code of the recipe that has one (keys', values')
+    own = {rk.knob.key: _value(name, rk.knob, params.pop(rk.knob.key))
+           for rk in RECIPE_KNOBS if rk.knob.key in params}
+    transforms = []
+    for cls in registry.TRANSFORMS:
+        given = {f.name: (k, params.pop(k.key)) for f, k in field_knobs(cls) if k.key in params}
+        if not given:
+            continue
+        t = cls(**{f: _value(name, k, raw) for f, (k, raw) in given.items()})
+        for f, k in field_knobs(cls)[1:]:  # a knob set off its default while its switch is off
+            if k.needs and f.name in given and not t.active and getattr(t, f.name) != f.default:
+                raise ValueError(f"{name}: parameter {k.key}={given[f.name][1]} needs {k.needs} (it has no "
+                                 "effect without it)")
+        if t.active:
+            transforms.append(t)
+    for rk in RECIPE_KNOBS:
+        if rk.knob.needs and rk.knob.key in own and rk.knob.needs not in own:
+            raise ValueError(f"{name}: parameter {rk.knob.key}={rk.knob.render(own[rk.knob.key])} needs "
+                             f"{rk.knob.needs} (it has no effect without it)")
+    codec = entry.cls(**coerce_params(entry.cls, params, f"method {name}"))
+    vcodec = None if "v" not in own else _value_codec(name, own["v"], own.get("vgroup"))
+    if "fit" in own:  # one fit for every code of the recipe that has one (keys', values')
         fitted = [c for c in (codec, vcodec) if c is not None and hasattr(c, "fit")]
         if not fitted:
             raise ValueError(f"{name}: parameter fit applies to int4, int3, int2 and nvfp4 codes; "
                              "this recipe has none")
-        codec, vcodec = (replace(c, fit=fit) if c in fitted else c for c in (codec, vcodec))
+        codec, vcodec = (replace(c, fit=own["fit"]) if c in fitted else c for c in (codec, vcodec))
+    keys = own.get("keys", entry.defaults.get("keys", "token"))
     if keys == "channel" and not hasattr(codec, "group"):
         raise ValueError(f"{name}: keys=channel needs a grouped integer codec")
-    if keys == "channel" and int(outliers):
-        raise ValueError(f"{name}: outliers needs keys=token (keys grouped per channel already scale each "
-                         "channel apart)")
-    return StoreRecipe(codec, r_int, keys, rot=rot, rot_seed=int(seed), smooth=smooth_f,
-                       center=center == "1", sink=int(sink), outliers=int(outliers),
-                       outlier_fmt=ofmt or "bf16", vcodec=vcodec)
+    return StoreRecipe(codec, own.get("r", entry.defaults.get("r", 0)), keys, own.get("sink", 0), vcodec,
+                       tuple(transforms))
 
 
 def _value_codec(name: str, vname: str, vgroup: str | None) -> Codec:
     """The codec `v=<name>` gives the values: its default parameters, its group `vgroup=` if given."""
-    entry = REGISTRY.get(vname.lower())
-    if entry is None or entry.stratum != "store":
-        known = ", ".join(n for n, e in REGISTRY.items() if e.stratum == "store")
-        raise ValueError(f"{name}: parameter v must name a store codec for the values ({known}), "
-                         f"got {vname!r}")
+    cls = REGISTRY[vname].cls
     if vgroup is None:
-        return entry.cls()
-    if "group" not in {f.name for f in fields(entry.cls)}:
+        return cls()
+    if _group_default(cls) is None:
         raise ValueError(f"{name}: parameter vgroup needs a grouped values codec (int4, int3, int2), "
                          f"got v={vname}")
-    return entry.cls(**coerce_params(entry.cls, {"group": vgroup}, f"method {name} (vgroup)"))
+    return cls(**coerce_params(cls, {"group": vgroup}, f"method {name} (vgroup)"))
+
+
+def _check_combinations(rec: StoreRecipe, text: str) -> None:
+    """Every knob set against what it excludes (`Knob.excludes`, conditions in `CONDITIONS`)."""
+    entry = REGISTRY[rec.codec.name]
+    set_knobs = [(rk.knob, rk.get(rec)) for rk in RECIPE_KNOBS
+                 if rk.knob.excludes and rk.get(rec) != rk.default(entry)]
+    for t in rec.transforms:
+        f, k = field_knobs(type(t))[0]
+        set_knobs.append((replace(k, excludes=type(t).excludes), getattr(t, f.name)))
+    for k, value in set_knobs:
+        for condition, why in k.excludes.items():
+            what, holds = CONDITIONS[condition]
+            if holds(rec):
+                raise ValueError(f"{text!r}: {k.key}={k.render(value)} does not combine with {what}: {why}")
 
 
 def _parse_recipe(text: str) -> StoreRecipe:
@@ -207,20 +302,12 @@ def _parse_recipe(text: str) -> StoreRecipe:
         if len(found) > 1:
             raise ValueError(f"{text!r} combines {len(found)} {what}; a recipe takes at most one")
     store = stores[0] if stores else StoreRecipe()
-    if depths and store.rot != "none":
-        raise ValueError(f"{text!r}: a rotation does not combine with depth sharing")
-    for what, on in (("key smoothing", store.smooth), ("key centering", store.center),
-                     ("a sink (sink=)", store.sink),
-                     ("outlier channels", store.outliers),
-                     ("a values codec (v=)", store.vcodec)):
-        if (depths or reads) and on:
-            raise ValueError(f"{text!r}: {what} does not combine with depth sharing or top-k reads")
-    if depths and store.key_axis == "channel":
-        store = replace(store, key_axis="token")  # depth blocks group tokens themselves
-    return replace(
-        store, keep=keeps[0] if keeps else None, depth=depths[0] if depths else None,
-        read=reads[0] if reads else None,
-    )
+    recipe = replace(store, keep=keeps[0] if keeps else None, depth=depths[0] if depths else None,
+                     read=reads[0] if reads else None)
+    _check_combinations(recipe, text)
+    if depths and recipe.key_axis == "channel":
+        recipe = replace(recipe, key_axis="token")  # depth blocks group tokens themselves
+    return recipe
 
 
 def parse_method(text: str) -> MethodSpec:
@@ -256,11 +343,16 @@ def parse_layers(text: str) -> frozenset[int]:
     return frozenset(parse_ranges(text, f"layers[{text}]", "a layer index", MAX_LAYER))
 
 
-def _check_override(recipe: StoreRecipe, chunk: str) -> StoreRecipe:
-    if recipe.depth is not None or recipe.read is not None:
-        raise ValueError(f"{chunk!r}: depth sharing and top-k reads apply to the whole model, not to "
-                         "listed layers")
-    return recipe
+def ranges_text(layers) -> str:
+    """Inverse of `parse_ranges`: sorted indices -> `"0-3,7"`."""
+    out, start = [], None
+    layers = sorted(layers)
+    for i, x in enumerate(layers):
+        start = x if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)
 
 
 @lru_cache(maxsize=1024)
@@ -281,7 +373,10 @@ def _parse(text: str, generation: int) -> MethodSpec:
             taken = [i for m, _ in layers for i in sorted(m & members)]
             if taken:
                 raise ValueError(f"{text.strip()!r}: layer {taken[0]} is assigned twice")
-            layers.append((members, _check_override(_parse_recipe(by_layer[2]), chunk)))
+            recipe = _parse_recipe(by_layer[2])
+            if recipe.depth is not None or recipe.read is not None:
+                raise ValueError(f"{chunk!r}: {WHOLE_MODEL}")
+            layers.append((members, recipe))
         elif by_class:
             cls = by_class[1].lower()
             if cls in given:
@@ -295,3 +390,60 @@ def _parse(text: str, generation: int) -> MethodSpec:
     if layers and any(r.depth is not None for r in spec.recipes()):
         raise ValueError(f"{text.strip()!r}: depth sharing does not combine with per-layer assignments")
     return spec
+
+
+# --- rendering: objects -> the text that parses back to them ---------------------------------------
+def _codec_text(codec: Codec) -> str:
+    """`spec_of(codec)` without `fit`, which the recipe writes once for all its codecs."""
+    return spec_of(replace(codec, fit="minmax") if hasattr(codec, "fit") else codec)
+
+
+def _check_values_codec(rec: StoreRecipe) -> None:
+    """`v=` names a codec with its default parameters, `vgroup=` its group and `fit=` its fit."""
+    v = rec.vcodec
+    plain = replace(v, **{k: getattr(v.__class__(), k) for k in ("group", "fit") if hasattr(v, k)})
+    if plain != v.__class__():
+        raise ValueError(f"a values codec {spec_of(v)!r} cannot be written as v=<name> (default parameters "
+                         "but its group and fit)")
+
+
+def render_recipe(rec: StoreRecipe, explicit: tuple[str, ...] = ()) -> str:
+    """The recipe as text that parses back equal; `explicit`: recipe knobs written even at their
+    default (the tuner writes `r` and `keys` always)."""
+    comps = [spec_of(c) for c in (rec.keep, rec.depth) if c is not None]
+    knobs: list[tuple[int, str]] = []
+    if rec.vcodec is not None:
+        _check_values_codec(rec)
+    entry = REGISTRY[rec.codec.name]
+    for rk in RECIPE_KNOBS:
+        value, default = rk.get(rec), rk.default(entry)
+        if rk.knob.key == "vgroup" and rec.vcodec is not None:
+            default = _group_default(type(rec.vcodec))
+        if value is not None and (value != default or rk.knob.key in explicit):
+            knobs.append((rk.knob.position, f"{rk.knob.key}={rk.knob.render(value)}"))
+    for t in rec.transforms:
+        for i, (f, k) in enumerate(field_knobs(type(t))):
+            value = getattr(t, f.name)
+            if i == 0 or value != f.default:  # the switch, then what is off its default
+                knobs.append((k.position, f"{k.key}={k.render(value)}"))
+    store = StoreRecipe(rec.codec, rec.r, rec.key_axis, rec.sink, rec.vcodec, rec.transforms)
+    if knobs or store != StoreRecipe() or not comps:
+        codec = _codec_text(rec.codec)
+        params = [text for _, text in sorted(knobs, key=lambda x: x[0])]
+        comps.append(codec + ((":" if ":" not in codec else ",") + ",".join(params) if params else ""))
+    if rec.read is not None:
+        comps.append(spec_of(rec.read))
+    return "+".join(comps)
+
+
+def render(spec: MethodSpec) -> str:
+    """The spec as canonical text: `parse_method(render(spec)) == spec`."""
+    text = render_recipe(spec.full)
+    if spec.sliding != spec.full:
+        text += f";sliding={render_recipe(spec.sliding)}"
+    for members, rec in spec.layers:
+        text += f";layers[{ranges_text(members)}]={render_recipe(rec)}"
+    return text
+
+
+__all__ = ["MethodSpec", "StoreRecipe", "check_store", "parse_method", "render", "render_recipe"]

@@ -8,7 +8,7 @@ stratum, so every layer of the library may read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 
 STRATA = ("store", "keep", "depth", "read")
@@ -71,6 +71,33 @@ def unregister(name: str) -> None:
 
 def generation() -> int:
     return _generation[0]
+
+
+#: key transforms (`kvstrata.codecs.transform`), in pipeline order: their knobs are recipe knobs
+TRANSFORMS: list[type] = []
+
+
+def register_transform(cls: type) -> type:
+    """Add a key transform (a frozen dataclass whose `knob` fields are recipe knobs, ClassVar `order`)."""
+    keys = {f.name for f in fields(cls) if "knob" in f.metadata}
+    if not keys:
+        raise ValueError(f"transform {cls.__name__} declares no knob fields")
+    for other in TRANSFORMS:
+        clash = keys & {f.name for f in fields(other) if "knob" in f.metadata}
+        if other is not cls and clash:
+            raise ValueError(f"transform {cls.__name__}: knob {sorted(clash)[0]!r} is already "
+                             f"{other.__name__}'s")
+    if cls not in TRANSFORMS:
+        TRANSFORMS.append(cls)
+        TRANSFORMS.sort(key=lambda c: c.order)
+    _generation[0] += 1
+    return cls
+
+
+def unregister_transform(cls: type) -> None:
+    if cls in TRANSFORMS:
+        TRANSFORMS.remove(cls)
+    _generation[0] += 1
 
 
 def classes(stratum: str) -> dict[str, type]:

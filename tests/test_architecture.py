@@ -9,7 +9,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "kvstrata"
 # Rank of each top-level part of the package: a module may import its own rank or lower ones only.
 RANKS = {
-    "registry": 0, "text": 0, "textfile": 0,  # leaves: no kvstrata imports
+    "registry": 0, "text": 0, "textfile": 0, "knobs": 0, "names": 0,  # leaves: no kvstrata imports
     "codecs": 1, "keep": 1,  # store and keep strata
     "read": 2, "kvstrata": 2,  # read stratum; the package root registers codecs, keep and read
     "methods": 3,  # the spec grammar over every stratum's registered methods

@@ -60,7 +60,7 @@ CASES = [
     ("int4 group", [*GEN, "--prompt", "hi", "--method", "int4:group=1000000000"], "group must be"),
     ("fp8 block", [*GEN, "--prompt", "hi", "--method", "fp8:block=1000000000"], "fp8: block must be"),
     ("r huge", [*GEN, "--prompt", "hi", "--method", "nvfp4:r=100000000000"], "r must be"),
-    ("r not int", [*GEN, "--prompt", "hi", "--method", "nvfp4:r=1.5"], "r='1.5' is not an integer"),
+    ("r not int", [*GEN, "--prompt", "hi", "--method", "nvfp4:r=1.5"], "parameter r must be an integer in"),
     ("depth tol nan", [*GEN, "--prompt", "hi", "--method", "depth:tol=nan"], "tol='nan'"),
     ("depth g", [*GEN, "--prompt", "hi", "--method", "depth:g=100000000"], "depth: need 2 <= g"),
     ("snapkv pool", [*GEN, "--prompt", "hi", "--method", "snapkv:pool=1001"], "pool"),

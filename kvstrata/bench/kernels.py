@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from kvstrata.bench.results import ReportInput, read_jsonl
+from kvstrata.codecs.transform import Fitted
 from kvstrata.hf.segments import encode_segment
 from kvstrata.methods import parse_method
 from kvstrata.read.decode import EncodedView, decode_attention, kernel_args, triton_runs
@@ -24,6 +25,14 @@ from kvstrata.read.kernels import cpu
 SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}
 CODECS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0")
 LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def _encoded(spec: str, k: torch.Tensor, v: torch.Tensor):
+    """`k, v` encoded with `spec`'s recipe (its transforms fitted on `k`), and the view attention reads."""
+    rec = parse_method(spec).full
+    fitted = Fitted.fit(rec.transforms, k)
+    seg = encode_segment(rec, k, v, fitted)
+    return rec, seg, EncodedView(rec.key_axis == "channel", [(seg.keys, seg.values, 0)], fitted=fitted)
 
 
 def _time(fn, repeats: int, cuda: bool = False) -> float:
@@ -65,10 +74,7 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
             dict(base, codec="sdpa-f32", seconds=sdpa_f32, bytes=2 * k.numel() * 4)]
     module = cpu.load()
     for spec in CODECS:
-        rec = parse_method(spec).full
-        seg = encode_segment(rec, k, v)
-        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)],
-                            rotation=rec.rotation(d))
+        rec, seg, view = _encoded(spec, k, v)
         held = sum(t.numel() * t.element_size() for t in seg.parts())
         if module is not None:
             args = kernel_args(view, tk, tv)
@@ -102,10 +108,7 @@ def measure_cuda(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[d
                                                                           enable_gqa=True), repeats, True)
     rows = [dict(base, codec="sdpa-bf16", seconds=sdpa, bytes=2 * kb.numel() * 2)]
     for spec in CODECS:
-        rec = parse_method(spec).full
-        seg = encode_segment(rec, k.cuda(), v.cuda())
-        view = EncodedView(rec.codec, rec.key_axis == "channel", [(seg.keys, seg.values, 0)],
-                            rotation=rec.rotation(d))
+        rec, seg, view = _encoded(spec, k.cuda(), v.cuda())
         runs = triton_runs(view)
         held = sum(t.numel() * t.element_size() for t in seg.parts())
         op = _time(lambda: triton_decode.attend(q, runs, tk, tv, scale), repeats, True)

@@ -28,8 +28,8 @@ from kvstrata.models import load
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
+from kvstrata.place.prefix_server import PrefixServer
 from kvstrata.place.redis_tier import RedisTier
-from kvstrata.place.serving import PrefixServer
 from kvstrata.place.store import KVStore
 from kvstrata.place.trace_sim import TraceConfig, simulate
 from kvstrata.text import natural_ids

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import mean
 
@@ -32,8 +32,7 @@ from kvstrata.bench import protocol
 from kvstrata.bench.paired import paired_delta
 from kvstrata.bench.results import USABLE
 from kvstrata.bench.tasks import RETRIEVAL, check_fed, make_instance, score_answer
-from kvstrata.codecs import spec_of
-from kvstrata.methods import parse_method
+from kvstrata.methods import parse_method, ranges_text, render_recipe
 from kvstrata.models import load
 
 DEFAULT_LADDER = ("bf16", "fp8", "nvfp4:rot=hadamard", "int2:r=32,rot=hadamard")
@@ -166,29 +165,27 @@ class Evaluator:
 def _check_kv_rung(rung: str) -> None:
     """With keys apart from values, a rung must be one store codec whose values half `v=` can name."""
     rec = parse_method(rung).full
-    if rec.keep is not None or rec.vcodec is not None or rec.rot_seed:
+    if rec.keep is not None or rec.vcodec is not None:
         raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung is one store codec "
-                         "(no keep policy, v= or rotseed)")
-    if spec_of(rec.codec) != rec.codec.name:
-        raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung's codec takes its "
-                         f"default parameters (v= names a codec by name), not {spec_of(rec.codec)!r}")
+                         "(no keep policy or v=)")
+    try:
+        kv_recipe(REFERENCE, rung)
+    except ValueError as e:
+        raise ValueError(f"ladder rung {rung!r}: with keys apart from values its codec must be one v= "
+                         f"can name: {e}") from None
 
 
 def kv_recipe(k_rung: str, v_rung: str) -> str:
-    """One layer's recipe with keys as on `k_rung` and values as on `v_rung`; they share the larger
-    full-precision tail and the rotation when either rotates."""
+    """One layer's recipe with keys as on `k_rung` and values as on `v_rung`: the keys' recipe with
+    the values' codec, the larger full-precision tail and sink, and the transforms that act on
+    values too (rotation) when either has them. `r` and `keys` are always written."""
     if k_rung == v_rung:
         return k_rung
     rk, rv = parse_method(k_rung).full, parse_method(v_rung).full
-    params = [f"r={max(rk.r, rv.r)}", f"keys={rk.key_axis}"]
-    params += ["rot=hadamard"] if "hadamard" in (rk.rot, rv.rot) else []
-    params += [f"smooth={rk.smooth}"] if rk.smooth else []
-    params += ["center=1"] if rk.center else []
-    params += [f"sink={max(rk.sink, rv.sink)}"] if max(rk.sink, rv.sink) else []
-    params += [f"outliers={rk.outliers}"] if rk.outliers else []
-    params += [f"ofmt={rk.outlier_fmt}"] if rk.outliers and rk.outlier_fmt != "bf16" else []
-    codec = spec_of(rk.codec)
-    return codec + ("," if ":" in codec else ":") + ",".join(params + [f"v={rv.value_codec.name}"])
+    both = [t for t in rv.transforms if t.acts_on_values and rk.transform(type(t)) is None]
+    rec = replace(rk, r=max(rk.r, rv.r), sink=max(rk.sink, rv.sink), vcodec=rv.value_codec,
+                  transforms=tuple(sorted(rk.transforms + tuple(both), key=lambda t: t.order)))
+    return render_recipe(rec, explicit=("r", "keys"))
 
 
 def units(cfg: TuneConfig, layers: int) -> list[tuple[int, str | None]]:
@@ -242,16 +239,6 @@ def upgrade_path(kl: list[list[float]], size: list[list[float]]) -> list[tuple[i
         path.append(tuple(cur))
 
 
-def _ranges(layers: list[int]) -> str:
-    out, start = [], None
-    for i, x in enumerate(layers):
-        start = x if start is None else start
-        if i + 1 == len(layers) or layers[i + 1] != x + 1:
-            out.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ",".join(out)
-
-
 def render(assign: tuple[int, ...], ladder: tuple[str, ...], kv_apart: bool = False) -> str:
     """A method spec: the most used recipe for every layer (ties: the better rungs), `layers[...]=`
     for the others. `assign`: a rung per unit (with `kv_apart`, keys and values of each layer)."""
@@ -268,7 +255,7 @@ def render(assign: tuple[int, ...], ladder: tuple[str, ...], kv_apart: bool = Fa
 def with_overrides(base: str, texts: dict[int, str], order: list[str]) -> str:
     """`base`, then `layers[...]=recipe` for each recipe of `order` but `base`, on the layers whose
     recipe in `texts` (layer -> recipe) it is."""
-    return ";".join([base] + [f"layers[{_ranges([i for i, x in texts.items() if x == t])}]={t}"
+    return ";".join([base] + [f"layers[{ranges_text([i for i, x in texts.items() if x == t])}]={t}"
                               for t in order if t != base])
 
 

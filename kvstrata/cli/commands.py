@@ -295,7 +295,7 @@ def cmd_chat(args) -> int:
     from kvstrata.models import load
     from kvstrata.place import KVStore, StoreConfig
     from kvstrata.place.chat import chat
-    from kvstrata.place.serving import PrefixServer
+    from kvstrata.place.prefix_server import PrefixServer
     from kvstrata.textfile import read_text_file
 
     parse_method_early(args.method)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvstrata.hf.segments import probe_segment
-from kvstrata.methods import METHODS, parse_method
+from kvstrata.methods import CONDITIONS, METHODS, RECIPE_KNOBS, knob_table, parse_method
 
 # SmolLM2-135M: 30 layers, 3 KV heads x 64 dims, every layer full attention
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
@@ -34,38 +34,19 @@ in FP8, as V4.1 does); `layers[...]=` overrides the listed layers and wins over 
 a store codec and a keep policy; depth sharing and top-k reads apply to the whole model. A recipe
 takes at most one component per stratum: a store codec, a keep policy, a depth-sharing method and a
 read method compose with `+` (`streaming:keep=0.5+nvfp4`, `depth:g=4+nvfp4`,
-`nvfp4+topk:k=256,indexer=lowrank`). Store codecs also take `r` (the newest `r` tokens stay in full
-precision, KIVI's residual), `keys` (`token`: scales per token; `channel`: KIVI's keys grouped
-per channel along tokens, integer codecs only; the prefill is encoded whole, its last group ragged
-and held as a whole group, later tokens wait in full precision for a whole group) and `rot`
-(`hadamard`: K and V are rotated along head_dim by a randomized Hadamard matrix before encoding,
-`rotseed` picks its signs, default 0; the query is rotated the same way and the attention output
-rotated back, so nothing per token is stored and bytes per token do not change), `smooth` (`A` in
-[0, 1], default 0: each layer's keys
-are divided per channel by their prefill magnitude to the power `A` (normalised per head) and the
-query multiplied by the same, so q.k is unchanged while outlier channels stop setting every
-token's scale; the divisors, `head_dim` fp32 per KV head and layer, are counted in the bytes),
-`center` (`0` or `1`, default 0: keys less their per-channel prefill mean are encoded and the mean
-added back on decode; the fused kernel shifts every score by `q.mean`, which the softmax ignores
-unless a softcap bends the scores, where it is added back; `head_dim` fp32 per KV head and layer),
-`sink` (`N`, default 0: the first `N` tokens of full-attention layers stay in bf16 beside the
-codes, counted; attention sinks take much of every query's weight, so their error weighs most;
-sliding layers hold none, their window drops them),
-`outliers` (`c`, default 0: per layer and KV head the `c` key channels of largest prefill magnitude
-are held beside the codes, which hold the keys with those channels zeroed; attention adds their
-`q.k` as a score bias, in the fused kernel too; `2c` bytes per token and KV head in bf16, counted;
-per-token keys only, so integer codecs need `keys=token`), `ofmt` (`bf16` or `fp8`, default bf16,
-with `outliers` only: the kept channels in FP8 E4M3, saturating at ±448, `c` bytes per token and KV
-head), `v` (a store codec's name: the
-values are encoded with it, default parameters, while the keys keep the recipe's codec;
-`int2:r=32,v=nvfp4` holds KIVI INT2 keys and NVFP4 values; what `kvstrata tune --kv-apart` emits),
-`vgroup` (`N`, with `v=int4` / `v=int3` / `v=int2` only: the values' group, per token along `head_dim`;
-`v=int4,vgroup=64` is 4.5 bits on a 64-dim head, NVFP4's; `v=int3,vgroup=64` 3.5 bits) and `fit`
-(`minmax` or `lsq`, default
-minmax: `lsq` picks scales for least squared error, kept per group only where they beat the range's;
-INT4 / INT3 / INT2 refit each group's scale and minimum by a few rounds of rounding and a least-squares
-line, NVFP4 maps each block's largest magnitude to 6, 5 or 4, whichever errs least; same format and
-bytes, slower encoding; it reaches every codec of the recipe that has a fit, keys' and values').
+`nvfp4+topk:k=256,indexer=lowrank`). A store codec takes its own parameters (tables below) and
+the recipe knobs of the next table; with depth sharing, `keys=channel` becomes `keys=token` (depth
+blocks group tokens themselves). Every parsed spec renders back to text that parses equal
+(`kvstrata.methods.render`).
+
+## Recipe knobs
+
+Each knob is declared once (`kvstrata.methods.RECIPE_KNOBS`, and the fields of each key transform
+in `kvstrata.codecs`); the parser, the renderer, this table and `kvstrata tune` read the
+declarations. Key transforms run in the order the table lists them on encode (centering,
+smoothing, outlier channels, rotation) and are undone in reverse; their state travels with the
+codes, so dense reads, top-k reads and the persistent store take every knob. The persistent
+store takes every spec but keep policies and depth sharing (`kvstrata.methods.STORE_EXCLUDES`).
 """
 
 
@@ -88,9 +69,34 @@ def bytes_per_token(spec: str) -> float:
     return held / 256 * LAYERS
 
 
+def _knob_default(key: str, owner: type | None) -> str:
+    """A knob's default as the table shows it (a recipe knob's may depend on the codec)."""
+    if owner is not None:
+        f = next(f for f in dataclasses.fields(owner) if f.name == key)
+        return f"`{f.metadata['knob']['render'](f.default)}`"
+    rk = next(rk for rk in RECIPE_KNOBS if rk.knob.key == key)
+    by: dict[str, list[str]] = {}
+    for name, entry in METHODS.items():
+        if entry.stratum == "store":
+            value = rk.default(entry)
+            by.setdefault("–" if value is None else f"`{rk.knob.render(value)}`", []).append(name)
+    (common, _), *rest = sorted(by.items(), key=lambda kv: -len(kv[1]))
+    return "; ".join([common] + [f"{', '.join(names)}: {value}" for value, names in rest])
+
+
+def knob_rows() -> list[str]:
+    """The recipe-knob table: one row per knob, from its declaration."""
+    rows = ["| knob | values | default | what | does not combine with |", "|---|---|---|---|---|"]
+    for k, owner in knob_table():
+        what = k.doc + (f" (needs `{k.needs}`)" if k.needs else "")
+        excludes = "; ".join(f"{CONDITIONS[c][0]}: {why}" for c, why in k.excludes.items()) or "–"
+        rows.append(f"| `{k.key}` | {k.values} | {_knob_default(k.key, owner)} | {what} | {excludes} |")
+    return rows
+
+
 def markdown() -> str:
     bf16 = bytes_per_token("bf16")
-    out = [HEADER]
+    out = [HEADER, *knob_rows(), ""]
     sections = (("store", "Store: how a kept entry is encoded"), ("keep", "Keep: which tokens stay"),
                 ("depth", "Depth sharing: KV shared across adjacent layers"), ("read", "Read: what a decode "
                                                                                        "step reads"))

@@ -11,7 +11,14 @@ split (their channels carry no such outliers).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar
+
 import torch
+
+from kvstrata.codecs.transform import DEPTH, Attend, State, Transform
+from kvstrata.knobs import choice, integer, knob
 
 #: formats the kept channels can be stored in (`ofmt=`): bf16, or FP8 E4M3 held as its bytes (as
 #: codecs.fp8 holds its codes, so every part op works on them), saturating at +-448
@@ -77,3 +84,45 @@ def score_bias(query: torch.Tensor, idx: torch.Tensor, kept: torch.Tensor) -> to
     grouped = query.float().reshape(b, hk, hq // hk, d)  # [b, hk, groups, d]
     q_out = grouped.gather(-1, idx[:, :, None, :].expand(b, hk, hq // hk, idx.shape[-1]))
     return (q_out @ kept.float().transpose(-1, -2)).reshape(b, hq, -1)
+
+
+@dataclass(frozen=True)
+class Outliers(Transform):
+    outliers: int = knob(
+        0, "per layer and KV head the c key channels of largest prefill magnitude are held beside the "
+        "codes (which hold the keys with them zeroed); attention adds their q.k as a score bias, in the "
+        "fused kernel too; 2c bytes per token and KV head in bf16, counted", "[0, 256]", integer(0, 256),
+        position=70)
+    ofmt: str = knob(
+        "bf16", "what the kept channels are stored in: fp8 (E4M3, saturating at +-448) is c bytes per "
+        "token and KV head", ", ".join(KEPT_FORMATS), choice(*KEPT_FORMATS), position=71, needs="outliers")
+    order: ClassVar[int] = 30
+    side: ClassVar[tuple[str, ...]] = ("outliers",)
+    excludes: ClassVar = MappingProxyType({
+        "depth": DEPTH,
+        "keys=channel": "keys grouped per channel already scale each channel apart (outliers needs "
+                        "keys=token)",
+    })
+
+    def check(self, kv_heads: int, head_dim: int) -> None:
+        if self.outliers >= head_dim:
+            raise ValueError(f"the method keeps {self.outliers} outlier channels; the model's head_dim is "
+                             f"{head_dim}")
+
+    def fit(self, keys: torch.Tensor) -> State:
+        return {"idx": outlier_channels(keys, self.outliers)}
+
+    def forward(self, keys, values, state):
+        keys, kept = split_outliers(keys, state["idx"], self.ofmt)
+        return keys, values, {"outliers": kept}
+
+    def inverse_keys(self, keys, state, side):
+        return merge_outliers(keys, side["outliers"], state["idx"])
+
+    def enter(self, a: Attend, state: State, side):
+        c = state["idx"]
+        kept = torch.cat([kept_values(side("outliers")), channels(a.tail_k, c).float()], -2)
+        extra = score_bias(a.query, c, kept)
+        a.query = zero_channels(a.query, c)
+        a.bias = extra if a.bias is None else a.bias + extra
+        return None

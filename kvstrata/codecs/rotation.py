@@ -6,9 +6,14 @@ nothing per token is stored, so bytes per token do not change."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import ClassVar
 
 import torch
+
+from kvstrata.codecs.transform import Attend, State, Transform
+from kvstrata.knobs import choice, integer, knob
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -42,3 +47,39 @@ def rotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
 
 def unrotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     return rotate(x, None if r is None else r.T)
+
+
+@dataclass(frozen=True)
+class Rotation(Transform):
+    """K and V rotated along head_dim; the query is rotated the same way and the output back."""
+
+    rot: str = knob(
+        "none", "hadamard: K and V rotated along head_dim by a randomized Hadamard matrix before encoding, "
+        "the query rotated the same way and the attention output rotated back; nothing per token is "
+        "stored", "none, hadamard", choice("none", "hadamard"), position=30)
+    rotseed: int = knob(0, "the seed of the rotation's random signs", "[0, 2^31)", integer(0, 2**31 - 1),
+                        position=31, needs="rot")
+    order: ClassVar[int] = 40
+    acts_on_values: ClassVar[bool] = True
+
+    def check(self, kv_heads: int, head_dim: int) -> None:
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"a Hadamard rotation needs head_dim a power of two, got {head_dim}")
+
+    def matrix(self, d: int) -> torch.Tensor:
+        return hadamard_rotation(d, self.rotseed)
+
+    def forward(self, keys, values, state):
+        r = self.matrix(keys.shape[-1])
+        return rotate(keys, r), rotate(values, r), {}
+
+    def inverse_keys(self, keys, state, side):
+        return unrotate(keys, self.matrix(keys.shape[-1]))
+
+    def inverse_values(self, values, state):
+        return unrotate(values, self.matrix(values.shape[-1]))
+
+    def enter(self, a: Attend, state: State, side):
+        r = self.matrix(a.query.shape[-1])
+        a.query, a.tail_k, a.tail_v = rotate(a.query, r), rotate(a.tail_k, r), rotate(a.tail_v, r)
+        return lambda out: unrotate(out, r)

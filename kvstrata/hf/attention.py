@@ -1,17 +1,24 @@
-"""kvstrata's attention functions in transformers' `AttentionInterface`, and the one accessor for a
-config's attention implementation.
+"""kvstrata's attention functions in transformers' `AttentionInterface`, the scope in which a model
+attends with them, and the one side channel the interface forces.
 
-`CompressedCache` selects the `kvstrata` implementation on the model's config when it is built.
-That function behaves exactly like the implementation it replaced (sdpa, or eager) for every call
-but one: a decode step whose cache layer offered its encoded storage (`offer`, called from the
-cache's `update` right before the model calls attention for that layer). Then it attends straight
-from the codes (`kvstrata.read.decode.decode_attention`) and the layer never builds a dense copy.
-The offer lives in a `ContextVar`, so threads (a server) never see each other's.
+Scope: `attending(config)` selects the `kvstrata` implementation on a config and puts back the
+one it replaced when the last user leaves (users are counted, so caches and blocks nest). A
+`CompressedCache` is such a user for its lifetime (until `close()`, the end of its `with` block,
+or garbage collection); nothing stays switched after it. The `kvstrata` function behaves exactly
+like the implementation it replaced (sdpa, or eager) for every call but one: a decode step whose
+cache layer offered its encoded storage. Then it attends straight from the codes
+(`kvstrata.read.decode.decode_attention`) and the layer never builds a dense copy.
+
+Side channel: transformers calls `cache.update(...)` and then the layer's attention function with
+no way to pass anything between them, so the cache leaves its offer (`offer`: the encoded view;
+`offer_keep`: a layer waiting for keep scores) in a `ContextVar` for exactly the next attention
+call of that layer (`take`). Threads (a server) never see each other's offers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from contextvars import ContextVar
 
@@ -26,7 +33,9 @@ from kvstrata.read.decode import EncodedView, decode_attention
 NAME = "kvstrata"
 _OFFER: ContextVar[tuple[int, EncodedView] | None] = ContextVar("kvstrata_offer", default=None)
 _KEEP: ContextVar[tuple[int, object] | None] = ContextVar("kvstrata_keep", default=None)
-_BASE: dict[int, tuple[weakref.ref, str]] = {}  # id(config) -> (config, the implementation we replaced)
+# id(config) -> [config, the implementation `kvstrata` replaced, users]
+_SCOPES: dict[int, list] = {}
+_LOCK = threading.Lock()
 
 
 def attention_implementation(config) -> str | None:
@@ -40,20 +49,48 @@ def set_attention_implementation(config, name: str) -> None:
 
 def base_implementation(config) -> str:
     """What `kvstrata` delegates to for this config: the implementation it replaced."""
-    ref, name = _BASE.get(id(config), (None, "sdpa"))
-    return name if ref is not None and ref() is config else "sdpa"
+    scope = _SCOPES.get(id(config))
+    return scope[1] if scope is not None and scope[0]() is config else "sdpa"
 
 
-def use_fused(config) -> None:
-    """Select `kvstrata` attention on `config` (and so on every model sharing it), remembering the
-    implementation it replaces; idempotent."""
-    current = attention_implementation(config)
-    if current == NAME:
-        return
-    key = id(config)
-    _BASE[key] = (weakref.ref(config, lambda _: _BASE.pop(key, None)),
-                  current if current in ("sdpa", "eager") else "sdpa")
-    set_attention_implementation(config, NAME)
+def enter_scope(config):
+    """Select `kvstrata` attention on `config` (and so on every model sharing it) until the returned
+    function is called; scopes on one config are counted, the last one out restores the
+    implementation the first one replaced."""
+    with _LOCK:
+        key = id(config)
+        scope = _SCOPES.get(key)
+        if scope is None or scope[0]() is not config:
+            current = attention_implementation(config)
+            base = current if current in ("sdpa", "eager") else "sdpa"
+            scope = _SCOPES[key] = [weakref.ref(config), base, 0]
+            set_attention_implementation(config, NAME)
+        scope[2] += 1
+    done = []
+
+    def leave() -> None:
+        with _LOCK:
+            if done or _SCOPES.get(key) is not scope:
+                return
+            done.append(True)
+            scope[2] -= 1
+            if scope[2] == 0:
+                del _SCOPES[key]
+                target = scope[0]()
+                if target is not None and attention_implementation(target) == NAME:
+                    set_attention_implementation(target, scope[1])
+
+    return leave
+
+
+@contextlib.contextmanager
+def attending(config):
+    """Within the block a model with `config` attends with `kvstrata` (see `enter_scope`)."""
+    leave = enter_scope(config)
+    try:
+        yield
+    finally:
+        leave()
 
 
 @contextlib.contextmanager
@@ -90,9 +127,10 @@ def reads_encoded(config) -> bool:
     return attention_implementation(config) in READERS
 
 
-def offer(layer_idx: int, view: EncodedView) -> None:
-    """The cache's `update` for `layer_idx` returned only its full-precision tail; the rest is `view`."""
-    _OFFER.set((layer_idx, view))
+def offer(layer_idx: int, view: EncodedView | None) -> None:
+    """The cache's `update` for `layer_idx` returned only its full-precision tail; the rest is `view`
+    (None: it returned everything)."""
+    _OFFER.set(None if view is None else (layer_idx, view))
 
 
 def take(layer_idx: int) -> EncodedView | None:

@@ -3,15 +3,19 @@
 Built only on the public cache API (`Cache`, `CacheLayerMixin`): the model calls `update` per layer
 and attends over what it returns. Per-layer storage lives in `kvstrata.hf.layers`, layers shared
 across depth in `kvstrata.hf.depth_layers`; this module picks one per layer from the method spec.
-`nbytes()` counts the storage actually held, per layer and in total.
+`nbytes()` counts the storage actually held, per layer and in total. While it lives (or until
+`close()` / the end of its `with` block) the model attends with kvstrata's attention function
+(`kvstrata.hf.attention.enter_scope`), which reads decode steps straight from the codes.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvstrata.hf.attention import offer, offer_keep, reads_encoded, use_fused
+from kvstrata.hf.attention import enter_scope, offer, offer_keep, reads_encoded
 from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer
 from kvstrata.methods import MethodSpec, parse_method
@@ -46,25 +50,26 @@ class CompressedCache(Cache):
     """`Cache` whose every layer encodes K/V with the recipe for its layer class."""
 
     def __init__(self, config, method: str | MethodSpec = "bf16", fused: bool = True):
-        """`fused`: decode steps attend straight from the encoded segments (the model's config is
-        switched to kvstrata's attention, which otherwise behaves as the one it replaces)."""
+        """`fused`: decode steps attend straight from the encoded segments (kvstrata's attention is
+        selected on the model's config for the cache's lifetime; it otherwise behaves as the one it
+        replaces)."""
         self.method = parse_method(method) if isinstance(method, str) else method
         text = getattr(config, "get_text_config", None)
         self.text_config = text(decoder=True) if text else config
         self.fused = fused
-        keeps = [r.keep for r in self.method.recipes()]
-        # the hook gathers keep scores, and aligns the mask of layers whose keep policies differ
-        if fused or any(k is not None and (k.needs_scores or self.method.layers) for k in keeps):
-            use_fused(self.text_config)
         classes = layer_classes(config)
         if self.method.max_layer() >= len(classes):
             top = self.method.max_layer()
             raise ValueError(f"method {self.method.text!r} assigns layer {top}; the model has "
                              f"{len(classes)} layers (0-{len(classes) - 1})")
-        wide, dim = max(r.outliers for r in self.method.recipes()), head_dim(self.text_config)
-        if wide >= dim:
-            raise ValueError(f"method {self.method.text!r} keeps {wide} outlier channels; the model's "
-                             f"head_dim is {dim}")
+        heads, dim = self.text_config.num_key_value_heads, head_dim(self.text_config)
+        for t in {t for r in self.method.recipes() for t in r.transforms}:
+            t.check(heads, dim)
+        keeps = [r.keep for r in self.method.recipes()]
+        self._scope = None
+        # the hook gathers keep scores, and aligns the mask of layers whose keep policies differ
+        if fused or any(k is not None and (k.needs_scores or self.method.layers) for k in keeps):
+            self._scope = weakref.finalize(self, enter_scope(self.text_config))
         layers: list[CacheLayerMixin] = []
         for i, (cls, window) in enumerate(classes):
             recipe = self.method.recipe(cls, i)
@@ -96,15 +101,26 @@ class CompressedCache(Cache):
                 self.depth_groups.append((run, group))
                 run = []
 
+    def close(self) -> None:
+        """End the attention scope now (also the end of a `with` block, or garbage collection)."""
+        if self._scope is not None:
+            self._scope()
+
+    def __enter__(self) -> "CompressedCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append to layer `layer_idx`. A decode step whose attention reads encoded views gets only the
+        full-precision tail back; the encoded part is offered to that attention call."""
         layer = self.layers[layer_idx]
-        layer.fused_read = self.fused and reads_encoded(self.text_config)
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if layer.offered is not None:
-            offer(layer_idx, layer.offered)
-            layer.offered = None
-        offer_keep(layer_idx, layer if layer.pending_keep else None)  # never a stale offer
-        return out
+        reads = self.fused and reads_encoded(self.text_config)
+        keys, values, view = layer.append(key_states, value_states, offer=reads)
+        offer(layer_idx, view)  # every update sets both offers, so none outlives its attention call
+        offer_keep(layer_idx, layer if layer.pending_keep else None)
+        return keys, values
 
     def head_modes(self) -> dict[str, int]:
         """How many (group, KV head) pairs each depth mode holds: the probe's decisions, {} without

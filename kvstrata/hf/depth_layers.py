@@ -76,7 +76,7 @@ class DepthLayer(CompressedLayer):
 
     def view(self) -> EncodedView:
         runs = [(*block.layers[self.index], 0) for block in self.group.blocks]
-        return EncodedView(self.recipe.codec, False, runs, self.generation)
+        return EncodedView(False, runs, self.generation)
 
     def __init__(self, recipe: StoreRecipe, index: int):
         super().__init__(recipe)

@@ -1,8 +1,11 @@
 """The per-layer cache storage: `CompressedLayer` (full attention) and `CompressedSlidingLayer`,
 each a transformers `CacheLayerMixin` that stores K/V through a kvstrata codec.
 
-The newest `r` tokens stay in full precision (KIVI residual); older ones are encoded in segments.
-Sliding-window layers keep only their window. `nbytes()` counts the storage actually held.
+What a layer holds, oldest first: the `sink` (its first tokens in bf16, `sink=`), encoded
+`segments`, and the full-precision tail of the newest tokens (the KIVI residual `r`, and tokens
+waiting for a whole key group). `fitted` is the recipe's key transforms with their state, fitted
+on the first tokens encoded and shared by every segment. `nbytes()` counts the storage actually
+held. Sliding-window layers keep only their window.
 """
 
 from __future__ import annotations
@@ -10,8 +13,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvstrata.codecs.outliers import outlier_channels
 from kvstrata.codecs.qtensor import held_bytes
+from kvstrata.codecs.transform import IDENTITY, Fitted
 from kvstrata.hf.segments import (
     APPEND_ROWS,
     COMPACT_ROWS,
@@ -26,17 +29,8 @@ from kvstrata.methods import StoreRecipe
 from kvstrata.read.decode import EncodedView
 
 
-def smoothing_scale(keys: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Per-channel key divisors `[b, kv_heads, 1, head_dim]`: each channel's largest magnitude over
-    `keys: [b, kv_heads, n, head_dim]` to the power `alpha`, over their geometric mean per head (so the
-    keys' overall scale is kept); dividing keys and multiplying the query by it leaves q.k unchanged
-    while flattening the outlier channels a per-token scale would otherwise be set by."""
-    s = keys.float().abs().amax(-2, keepdim=True).clamp_min(1e-6).pow(alpha)
-    return s / s.log().mean(-1, keepdim=True).exp()
-
-
 class CompressedLayer(CacheLayerMixin):
-    """Full-attention layer: encoded segments + a full-precision tail of the newest tokens."""
+    """Full-attention layer: a sink, encoded segments and a full-precision tail of the newest tokens."""
 
     is_sliding = False
     is_compileable = False
@@ -47,25 +41,16 @@ class CompressedLayer(CacheLayerMixin):
         super().__init__()
         self.recipe = recipe
         self.segments: list[Segment] = []
+        self.sink: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V of the oldest tokens, bf16
+        self.fitted: Fitted | None = None  # the key transforms and their state, set by the first flush
         self.cumulative_length = 0
         self.known_until = 0  # positions below this are already held (bounded replay): not appended again
         self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
         # (generation, n): the last update's K/V began with n rows from encoded storage
         self.read_prefix = (0, 0)
-        self.fused_read = False  # set by the cache when the model's attention takes encoded views
-        self.offered: EncodedView | None = None  # the last decode step's encoded part, for attention
         # the prefill waits in full precision for the attention hook's keep scores (`finish_keep`)
         self.pending_keep = False
         self.at_prefill = False  # the next flush encodes the prefill (its last key group may be ragged)
-        # the oldest tokens, kept in bf16 apart from the codes (`sink=`), set by the first flush
-        self.sink_k: torch.Tensor | None = None
-        self.sink_v: torch.Tensor | None = None
-        # key centering: per-channel means `[batch, kv_heads, 1, head_dim]`, set by the first flush
-        self.key_mean: torch.Tensor | None = None
-        # key smoothing: per-channel divisors `[batch, kv_heads, 1, head_dim]`, set by the first flush
-        self.key_scale: torch.Tensor | None = None
-        # outlier key channels kept apart `[batch, kv_heads, c]` (after smoothing), set by the first flush
-        self.outlier_idx: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -73,24 +58,32 @@ class CompressedLayer(CacheLayerMixin):
         self.values = value_states[..., :0, :].clone()
         self.is_initialized = True
 
+    def held(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds (encoded parts with their spare rows, sink, state, tail)."""
+        out = [t for seg in self.segments for t in seg.parts()]
+        out += list(self.sink or ()) + (self.fitted.tensors() if self.fitted is not None else [])
+        return out + ([self.keys, self.values] if self.is_initialized else [])
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything held, decoded: `[batch, kv_heads, stored_tokens, head_dim]` K and V."""
-        ks, vs = self.view().dense(self.dtype)  # one reconstruction: sink first, rotation etc. undone
+        ks, vs = self.view().dense(self.dtype)  # one reconstruction: sink first, transforms undone
         return torch.cat(ks + [self.keys], dim=-2), torch.cat(vs + [self.values], dim=-2)
 
     def view(self) -> EncodedView:
-        """The encoded segments as they are now (later appends do not change it)."""
+        """The sink and encoded segments as they are now (later appends do not change it)."""
         runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
-        rotation = self.recipe.rotation(self.keys.shape[-1])
         channel = self.recipe.key_axis == "channel"
-        sink = None if self.sink_k is None else (self.sink_k, self.sink_v)
-        return EncodedView(self.recipe.codec, channel, runs, self.generation, rotation, self.key_scale,
-                           self.outlier_idx, self.key_mean, sink)
+        return EncodedView(channel, runs, self.generation, self.fitted or IDENTITY, self.sink)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new K/V; returns what attention reads: everything held + the new tokens, or, on a
-        decode step whose attention reads encoded views, only the full-precision tail + the new
-        tokens, with the encoded part left in `offered` (no dense copy is made)."""
+        """Append new K/V; returns what attention reads: everything held + the new tokens."""
+        keys, values, _ = self.append(key_states, value_states, offer=False)
+        return keys, values
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, offer: bool):
+        """Append new K/V -> (K, V, view). With `offer` (the cache's attention reads encoded views) a
+        decode step returns only the full-precision tail + the new tokens and the encoded part as
+        `view` (no dense copy is made); otherwise everything held + the new tokens, and None."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending_keep:
@@ -98,8 +91,8 @@ class CompressedLayer(CacheLayerMixin):
                 f"{self.recipe.keep.name} needs the prefill's attention scores, which kvstrata's attention "
                 "gathers (CompressedCache selects it on the model's config); this model attended without it")
         first = self.cumulative_length == 0
-        fused = self.fused_read and self.reads_views and key_states.shape[-2] == 1 and not first
-        if fused:
+        view = None
+        if offer and self.reads_views and key_states.shape[-2] == 1 and not first:
             view, past_k, past_v = self.view(), self.keys, self.values
             self.read_prefix = (self.generation, view.tokens)
         else:
@@ -118,9 +111,8 @@ class CompressedLayer(CacheLayerMixin):
                 self._keep(scores=None)
             self._trim()  # first, so tokens already out of a sliding window are never encoded
             self._flush()
-        self.offered = view if fused else None
         # New tokens are attended in full precision now; later steps read them encoded.
-        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2), view
 
     def load_prefill(
         self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores: torch.Tensor | None = None
@@ -164,6 +156,12 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = self.keys.gather(2, idx)
         self.values = self.values.gather(2, idx)
 
+    def fit(self) -> Fitted:
+        """The key transforms' state: fitted once, from every full-precision token held then."""
+        if self.fitted is None:
+            self.fitted = Fitted.fit(self.recipe.transforms, self.keys)
+        return self.fitted
+
     def _flush(self) -> None:
         """Encode all but the newest `r` tail tokens (the oldest `sink` stay apart): the prefill's
         flush all of them, its last key group ragged; later flushes in whole key groups."""
@@ -175,24 +173,13 @@ class CompressedLayer(CacheLayerMixin):
             n -= n % group
         if n <= 0:
             return
+        fitted = self.fit()
         k, v = self.keys[..., :n, :], self.values[..., :n, :]
-        # the first encoding sets the key statistics, from every full-precision token held then
-        if self.recipe.center:
-            if self.key_mean is None:
-                self.key_mean = self.keys.float().mean(-2, keepdim=True)
-            k = k - self.key_mean
-        if self.recipe.smooth:
-            if self.key_scale is None:
-                held = self.keys if self.key_mean is None else self.keys - self.key_mean
-                self.key_scale = smoothing_scale(held, self.recipe.smooth)
-            k = k / self.key_scale
-        if self.recipe.outliers and self.outlier_idx is None:
-            self.outlier_idx = outlier_channels(k, self.recipe.outliers)
-        if not (self.segments and append(self.recipe, self.segments[-1], k, v, self.outlier_idx)):
+        if not (self.segments and append(self.recipe, self.segments[-1], k, v)):
             # the first segment (the prefill) is exact; later small flushes reserve rows to append to
             rows = max(APPEND_ROWS, 4 * group)
             reserve = rows - n if self.segments and n < rows else 0
-            self.segments.append(encode_segment(self.recipe, k, v, reserve, self.outlier_idx))
+            self.segments.append(encode_segment(self.recipe, k, v, fitted, reserve))
         self.keys = self.keys[..., n:, :].clone()
         self.values = self.values[..., n:, :].clone()
 
@@ -204,7 +191,7 @@ class CompressedLayer(CacheLayerMixin):
     @property
     def sink_held(self) -> int:
         """How many tokens the sink holds now."""
-        return 0 if self.sink_k is None else self.sink_k.shape[-2]
+        return 0 if self.sink is None else self.sink[0].shape[-2]
 
     def _take_sink(self) -> None:
         """Move the oldest tail tokens into the sink until it holds `sink_size` (before anything
@@ -213,9 +200,9 @@ class CompressedLayer(CacheLayerMixin):
         if take <= 0:
             return
         new = [t[..., :take, :].to(torch.bfloat16, copy=True) for t in (self.keys, self.values)]
-        if self.sink_k is not None:
-            new = [torch.cat([old, t], -2) for old, t in zip((self.sink_k, self.sink_v), new)]
-        self.sink_k, self.sink_v = new
+        if self.sink is not None:
+            new = [torch.cat([old, t], -2) for old, t in zip(self.sink, new)]
+        self.sink = tuple(new)
         self.keys, self.values = self.keys[..., take:, :].clone(), self.values[..., take:, :].clone()
 
     def _trim(self) -> None:
@@ -232,13 +219,8 @@ class CompressedLayer(CacheLayerMixin):
         return held_bytes(seg.keys.parts.values()) / tokens, held_bytes(seg.values.parts.values()) / tokens
 
     def nbytes(self) -> int:
-        """Bytes held: encoded segments (codes, scales) plus the full-precision tail."""
-        if not self.is_initialized:
-            return 0
-        tensors = [t for seg in self.segments for t in seg.parts()] + [self.keys, self.values]
-        extra = (self.sink_k, self.sink_v, self.key_mean, self.key_scale, self.outlier_idx)
-        tensors += [t for t in extra if t is not None]
-        return held_bytes(tensors)
+        """Bytes held: encoded segments (codes, scales, spare rows), sink, transform state and tail."""
+        return held_bytes(self.held()) if self.is_initialized else 0
 
     def shrink(self) -> None:
         """Free the rows reserved for appends and the hidden rows a sliding window dropped (what
@@ -276,12 +258,11 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.segments = []
+        self.segments, self.sink, self.fitted = [], None, None
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
         self.pending_keep = self.at_prefill = False
-        self.sink_k = self.sink_v = self.key_mean = self.key_scale = self.outlier_idx = None
         self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -290,14 +271,17 @@ class CompressedLayer(CacheLayerMixin):
         )
 
     def _map_batch(self, fn) -> None:
+        """`fn` over the batch dimension of everything held (beam search, batch selection)."""
         self.generation += 1
+        if self.fitted is not None:
+            self.fitted = self.fitted.map(fn)
         for seg in self.segments:
             for q in (seg.keys, seg.values):
                 q.parts = {k: (t if k == "tensor_scale" else fn(t)) for k, t in q.parts.items()}
             seg.buffers = {}  # the parts are new tensors now: nothing to append into
-        for name in ("sink_k", "sink_v", "key_mean", "key_scale", "outlier_idx"):
-            if getattr(self, name) is not None:
-                setattr(self, name, fn(getattr(self, name)))
+            seg.fitted = self.fitted
+        if self.sink is not None:
+            self.sink = tuple(fn(t) for t in self.sink)
         if self.is_initialized:
             self.keys, self.values = fn(self.keys), fn(self.values)
 

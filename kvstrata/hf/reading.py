@@ -38,11 +38,12 @@ def _sparse_attention(module, query, key, value, attention_mask, scaling=None, *
             return attend_view(module, query, view, key, value, attention_mask, scaling=scaling, **kwargs)
         return delegate(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    prefix = state.layers[layer].read_prefix  # the rows of this step's keys held encoded
     if view is not None:
-        idx = select(state, layer, query, LazyKeys(view, key))
+        idx = select(state, layer, query, LazyKeys(view, key), prefix)
         out = decode_attention(query, view, key, value, scaling, kwargs.get("softcap"), idx=idx)
         return out[:, None].to(query.dtype), None
-    idx = select(state, layer, query, key)
+    idx = select(state, layer, query, key, prefix)
     gather = idx[..., None].expand(-1, -1, -1, key.shape[-1])
     return eager_attention(
         module, query, key.gather(2, gather), value.gather(2, gather), None, scaling=scaling, **kwargs
@@ -55,7 +56,7 @@ register_reader(NAME, _sparse_attention)
 @contextlib.contextmanager
 def sparse_reading(model, cache, cfg: TopK):
     """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
-    full = [i for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
+    full = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     modes = dict(zip(full, cfg.modes(len(full))))
     state = ReadState(cfg, modes, list(cache.layers), head_dim(model.config))
     with hooked(model, NAME, _STATE, state):

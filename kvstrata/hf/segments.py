@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.codecs import QTensor
-from kvstrata.codecs.outliers import split_outliers
-from kvstrata.codecs.rotation import rotate, unrotate
+from kvstrata.codecs.transform import IDENTITY, Fitted
 from kvstrata.methods import StoreRecipe
+from kvstrata.read.decode import token_rows
 
 #: rows a segment made by a small (decode-time) flush reserves, so later flushes append in place
 APPEND_ROWS = 64
@@ -31,13 +31,15 @@ class Segment:
     """`length` encoded tokens, of which the first `skip` are hidden (dropped by a sliding window
     but still held until enough of them can be freed at once; keys grouped per channel are freed
     a whole group at a time). `keys` / `values` are exactly `length` tokens long; their parts are
-    views of `buffers`, which may reserve room for more."""
+    views of `buffers`, which may reserve room for more. `fitted`: the key transforms the codes
+    were encoded through, with their state (shared by every segment of a layer)."""
 
     keys: QTensor
     values: QTensor
     length: int
     skip: int = 0
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+    fitted: Fitted = IDENTITY
 
     @property
     def visible(self) -> int:
@@ -55,50 +57,43 @@ def _axes(recipe: StoreRecipe) -> tuple[int, int]:
     return (3 if recipe.key_axis == "channel" else 2), 2
 
 
-def _prepare(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor, outliers: torch.Tensor | None):
-    """What the codec encodes: K (outlier channels split off, then rotated; transposed when keys are
-    grouped per channel) and V (rotated), plus the kept channels `[b, h, n, c]` or None."""
-    kept = None
-    if outliers is not None:
-        keys, kept = split_outliers(keys, outliers, recipe.outlier_fmt)
-    r = recipe.rotation(keys.shape[-1])
-    keys, values = rotate(keys, r), rotate(values, r)
+def _prepare(recipe: StoreRecipe, fitted: Fitted, keys: torch.Tensor, values: torch.Tensor):
+    """What the codecs encode: K and V through the key transforms (K transposed when keys are grouped
+    per channel), and the transforms' side parts (`[b, h, n, ...]`, stored beside the key codes)."""
+    keys, values, side = fitted.forward(keys, values)
     kt = keys.transpose(-1, -2).contiguous() if recipe.key_axis == "channel" else keys
-    return kt, values, kept
+    return kt, values, side
 
 
-def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor,
-                   reserve: int = 0, outliers: torch.Tensor | None = None) -> Segment:
-    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment (a last key group short of
-    `key_group` tokens is padded with its last token and held whole; it takes no appends);
-    `reserve` spare tokens are allocated for later `append`s; `outliers: [b, h, c]` key channels are
-    kept apart in the recipe's `ofmt` (the keys' `outliers` part)."""
-    kt, values, kept = _prepare(recipe, keys, values, outliers)
+def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor, fitted: Fitted = IDENTITY,
+                   reserve: int = 0) -> Segment:
+    """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment encoded through `fitted` (a last
+    key group short of `key_group` tokens is padded with its last token and held whole; it takes no
+    appends); `reserve` spare tokens are allocated for later `append`s."""
+    kt, values, side = _prepare(recipe, fitted, keys, values)
     encoded = []
     for codec, x in ((recipe.codec, kt), (recipe.value_codec, values)):
         if reserve and hasattr(codec, "fits"):
             encoded.append(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)))
         else:
             encoded.append(codec.encode(x))
-    seg = Segment(*encoded, keys.shape[-2])
-    if kept is not None:
-        seg.keys.parts["outliers"] = kept
+    seg = Segment(*encoded, keys.shape[-2], fitted=fitted)
+    seg.keys.parts.update(side)
     if reserve:
         _reserve(recipe, seg, reserve)
     return seg
 
 
 def probe_segment(recipe: StoreRecipe, kv_heads: int, head_dim: int, tokens: int = 256) -> Segment:
-    """`tokens` zero tokens encoded with `recipe` (outlier channels included), for counting bytes."""
+    """`tokens` zero tokens encoded with `recipe` (transform side parts included), for counting bytes."""
     z = torch.zeros(1, kv_heads, tokens, head_dim)
-    idx = torch.arange(recipe.outliers).expand(1, kv_heads, -1) if recipe.outliers else None
-    return encode_segment(recipe, z, z, outliers=idx)
+    return encode_segment(recipe, z, z, Fitted.fit(recipe.transforms, z))
 
 
-def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.Tensor,
-           outliers: torch.Tensor | None = None) -> bool:
-    """Encode `keys, values: [b, h, n, d]` into `seg`'s spare rows; False (nothing written) when
-    there is no room or the rows cannot share the segment's scales (NVFP4's tensor scale)."""
+def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Encode `keys, values: [b, h, n, d]` into `seg`'s spare rows (through its transforms); False
+    (nothing written) when there is no room or the rows cannot share the segment's scales (NVFP4's
+    tensor scale)."""
     n = keys.shape[-2]
     if not seg.buffers or n == 0:
         return False
@@ -107,7 +102,7 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
     kcap = next(iter(seg.buffers["keys"].values())).shape[kax] * (group if kax == 3 else 1)
     if seg.length + n > kcap or seg.length % group:
         return False
-    kt, values, kept = _prepare(recipe, keys, values, outliers)
+    kt, values, side = _prepare(recipe, seg.fitted, keys, values)
     scales = [q.parts.get("tensor_scale") for q in (seg.keys, seg.values)]
     new = []
     for codec, x, held in zip((recipe.codec, recipe.value_codec), (kt, values), scales):
@@ -117,8 +112,7 @@ def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.
             return False
         else:
             new.append(codec.encode(x, held))
-    if kept is not None:
-        new[0].parts["outliers"] = kept
+    new[0].parts.update(side)
     start = seg.length
     for name, q, ax, unit in (("keys", new[0], kax, group if kax == 3 else 1), ("values", new[1], vax, 1)):
         for part, t in q.parts.items():
@@ -176,15 +170,15 @@ def _views(recipe: StoreRecipe, seg: Segment) -> None:
 def decode_segment(
     recipe: StoreRecipe, seg: Segment, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V (a store
-    record's segment: no smoothing or outlier channels; a cache layer reads through its view)."""
-    k = recipe.codec.decode(seg.keys).to(dtype)
+    """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V, its key
+    transforms undone."""
+    k = seg.keys.codec.decode(seg.keys).to(dtype)
     if recipe.key_axis == "channel":
         k = k.transpose(-1, -2)
-    v = recipe.value_codec.decode(seg.values).to(dtype)
-    r = recipe.rotation(k.shape[-1])
-    k, v = unrotate(k, r), unrotate(v, r)
-    return k[..., seg.skip :, :], v[..., seg.skip :, :]
+    side = {name: seg.keys.parts[name][:, :, seg.skip:] for name in seg.fitted.side}
+    k = seg.fitted.inverse_keys(k[..., seg.skip:, :], side)
+    v = seg.fitted.inverse_values(seg.values.codec.decode(seg.values).to(dtype)[..., seg.skip:, :])
+    return k, v
 
 
 def drop_front(recipe: StoreRecipe, seg: Segment, n: int, compact: int = 0) -> Segment | None:
@@ -196,10 +190,10 @@ def drop_front(recipe: StoreRecipe, seg: Segment, n: int, compact: int = 0) -> S
     group = recipe.key_group
     free = (skip // group) * group
     if free == 0 or free < compact:
-        return Segment(seg.keys, seg.values, seg.length, skip, seg.buffers)
+        return Segment(seg.keys, seg.values, seg.length, skip, seg.buffers, seg.fitted)
     keys = _narrow(seg.keys, -1 if recipe.key_axis == "channel" else -2, free, group)
     values = _narrow(seg.values, -2, free, 1)
-    return Segment(keys, values, seg.length - free, skip - free)
+    return Segment(keys, values, seg.length - free, skip - free, fitted=seg.fitted)
 
 
 def _narrow(q: QTensor, token_dim: int, start: int, group: int) -> QTensor:
@@ -221,3 +215,89 @@ def _narrow(q: QTensor, token_dim: int, start: int, group: int) -> QTensor:
     shape = list(q.shape)
     shape[token_dim] -= start
     return QTensor(q.codec, tuple(shape), q.dtype, parts)
+
+
+def _blocks(q: QTensor, first: int, count: int, tokens: int) -> QTensor:
+    """Token blocks [first, first + count) of channel-grouped keys `[b, h, d, tokens]` (parts
+    `[b, h, d, blocks, ...]`), `tokens` of them in use; views, no copy."""
+    parts = {name: (t if t.dim() < 3 else t.narrow(3, first, count)) for name, t in q.parts.items()}
+    return QTensor(q.codec, (*q.shape[:3], tokens), q.dtype, parts)
+
+
+def cut_segment(recipe: StoreRecipe, seg: Segment, a: int, b: int) -> Segment:
+    """Visible tokens [a, b) of `seg` as a segment of their own, its codes as held (views of `seg`'s
+    parts, no copy). Keys grouped per channel keep the whole groups `a` and `b` fall in: the front
+    of the first is hidden (`skip`), the back of the last lies beyond the new segment's length."""
+    start, stop = seg.skip + a, seg.skip + b
+    if recipe.key_axis != "channel":
+        rows = (token_rows(seg.keys, start, stop), token_rows(seg.values, start, stop))
+        return Segment(*rows, b - a, fitted=seg.fitted)
+    g = recipe.key_group
+    first = start // g * g
+    keys = _blocks(seg.keys, first // g, -(-stop // g) - first // g, stop - first)
+    return Segment(keys, token_rows(seg.values, first, stop), stop - first, start - first, fitted=seg.fitted)
+
+
+def _overlap(recipe: StoreRecipe, a: Segment, b: Segment) -> int | None:
+    """How many of `b`'s first tokens `a` already holds when `b` can continue `a`'s run (None when it
+    cannot): `a` ends on a whole key group and `b` hides nothing (0), or -- keys grouped per channel,
+    cut from one run at a point inside a group -- `a` ends `b.skip` tokens into the very group `b`
+    starts with, whose codes both hold (`b.skip`). Both must hold the same parts under the same
+    transforms and per-tensor scales."""
+    if not a.fitted.same_as(b.fitted):
+        return None
+    for x, y in ((a.keys, b.keys), (a.values, b.values)):
+        if x.parts.keys() != y.parts.keys() or x.codec != y.codec:
+            return None
+        for name in x.parts:
+            p, r = x.parts[name], y.parts[name]
+            if p.dtype != r.dtype or p.dim() != r.dim() or (p.dim() < 3 and not torch.equal(p, r)):
+                return None  # parts of fewer than 3 dims are per tensor (a tensor scale): shared
+    g, ragged = recipe.key_group, a.length % recipe.key_group
+    if ragged == 0:
+        return 0 if b.skip == 0 else None
+    if b.skip != ragged:
+        return None
+    last, first = _blocks(a.keys, -(-a.length // g) - 1, 1, g), _blocks(b.keys, 0, 1, g)
+    same = all(torch.equal(last.parts[n], first.parts[n]) for n in last.parts if last.parts[n].dim() >= 3)
+    return ragged if same else None
+
+
+def _cat(q: QTensor, more: list[QTensor], axis: int, drop: list[int], tokens: int, token_dim: int) -> QTensor:
+    """`q` then each of `more` along the parts' token (or token-block) `axis`, the first `drop[i]`
+    entries of `more[i]` left out; `tokens` in all along the shape's `token_dim`."""
+    def rest(name: str) -> list[torch.Tensor]:
+        return [m.parts[name].narrow(axis, d, m.parts[name].shape[axis] - d) for m, d in zip(more, drop)]
+
+    parts = {name: (t if t.dim() < 3 else torch.cat([t] + rest(name), axis)) for name, t in q.parts.items()}
+    shape = list(q.shape)
+    shape[token_dim] = tokens
+    return QTensor(q.codec, tuple(shape), q.dtype, parts)
+
+
+def join_segments(recipe: StoreRecipe, segs: list[Segment]) -> list[Segment]:
+    """Adjacent segments that continue one run (`_overlap`) concatenated: a copy of their codes, no
+    encode, so a layer rebuilt from many store records reads a few runs, not one per record."""
+    out: list[list[tuple[Segment, int]]] = []
+    for seg in segs:
+        shared = _overlap(recipe, out[-1][-1][0], seg) if out else None
+        if shared is None:
+            out.append([(seg, 0)])
+        else:
+            out[-1].append((seg, shared))
+    channel = recipe.key_axis == "channel"
+    joined = []
+    for group in out:
+        (head, _), rest = group[0], group[1:]
+        if not rest:
+            joined.append(head)
+            continue
+        more, shared = [s for s, _ in rest], [n for _, n in rest]
+        length = head.length + sum(s.length - n for s, n in rest)
+        if channel:  # a key group both held is held once
+            keys = _cat(head.keys, [s.keys for s in more], 3, [min(n, 1) for n in shared], length, -1)
+        else:
+            keys = _cat(head.keys, [s.keys for s in more], 2, shared, length, -2)
+        values = _cat(head.values, [s.values for s in more], 2, shared, length, -2)
+        joined.append(Segment(keys, values, length, head.skip, fitted=head.fitted))
+    return joined

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 
 from kvstrata.hf.run import forward
-from kvstrata.place.serving import PrefixServer
+from kvstrata.place.prefix_server import PrefixServer
 
 
 def reply(model, tokenizer, served, max_new_tokens: int) -> list[int]:

@@ -1,7 +1,7 @@
-"""Signed, key-bound records: one value per cached block, no pickle; and a block's K/V as a record
-(`pack_block` / `unpack_block`: each layer's K and V encoded with the method's codec).
+"""Signed, key-bound records: one value per cached block, no pickle. What the payload holds (a
+block's KV as the cache held it) is `kvstrata.place.block_format`'s.
 
-Layout (version 2): MAGIC (4 B) | version (u16 LE) | class (u8: 0 global, 1 swa) | 0 (u8) |
+Layout (version 3): MAGIC (4 B) | version (u16 LE) | class (u8: 0 global, 1 swa) | 0 (u8) |
 SHA-256 of the key (32 B) | namespace (32 B, zeros when none) | payload length (u64 LE) |
 HMAC-SHA256 over everything before it and the payload (32 B) | payload.
 
@@ -24,13 +24,11 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kvstrata.codecs import QTensor, spec_of
-from kvstrata.hf.segments import Segment, decode_segment, encode_segment
-from kvstrata.methods import StoreRecipe
+from kvstrata.names import TierClass
 
 MAGIC = b"KVSR"
-VERSION = 2
-CLASSES = ("global", "swa")
+VERSION = 3  # 2: payloads of dense-decoded blocks re-encoded per record; never read as 3
+CLASSES = tuple(TierClass)  # the class byte indexes this
 NO_NAMESPACE = bytes(32)
 _HEAD = struct.Struct("<4sHBB32s32sQ")
 _MAC = 32
@@ -52,33 +50,34 @@ def _namespace(ns: bytes) -> bytes:
 
 
 def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, str], *, key: str, secret: bytes,
-                  klass: str = "global", namespace: bytes = b"") -> bytes:
+                  klass: TierClass = TierClass.GLOBAL, namespace: bytes = b"") -> bytes:
     """Sign `tensors` + string `meta` as the record of `key` in `klass` (global | swa) and `namespace`."""
     payload = st_save({k: v.contiguous() for k, v in tensors.items()},
                       metadata={k: str(v) for k, v in meta.items()})
     return seal(payload, key=key, secret=secret, klass=klass, namespace=namespace)
 
 
-def seal(payload: bytes, *, key: str, secret: bytes, klass: str = "global", namespace: bytes = b"") -> bytes:
+def seal(payload: bytes, *, key: str, secret: bytes, klass: TierClass = TierClass.GLOBAL,
+         namespace: bytes = b"") -> bytes:
     """Header + HMAC around raw `payload` bytes (`encode_record` seals a safetensors blob)."""
-    if klass not in CLASSES:
-        raise ValueError(f"record class must be one of {CLASSES}, got {klass!r}")
+    klass = TierClass(klass)  # an unknown class is an error, not a default
     head = _HEAD.pack(MAGIC, VERSION, CLASSES.index(klass), 0,
                       key_digest(key), _namespace(namespace), len(payload))
     return head + hmac.new(secret, head + payload, hashlib.sha256).digest() + payload
 
 
-def decode_record(blob: bytes, *, key: str, secret: bytes, klass: str | None = None,
+def decode_record(blob: bytes, *, key: str, secret: bytes, klass: TierClass | None = None,
                   namespace: bytes | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Verify and parse one record; `klass` / `namespace` None accept any. Raises RecordError."""
     return parse_payload(verify_record(blob, key=key, secret=secret, klass=klass, namespace=namespace))
 
 
 def verify_record(
-    blob: bytes, *, key: str, secret: bytes, klass: str | None = None, namespace: bytes | None = None
+    blob: bytes, *, key: str, secret: bytes, klass: TierClass | None = None, namespace: bytes | None = None
 ) -> bytes:
     """The payload of a whole record signed with `secret` under this key, class and namespace
     (checked without parsing a tensor); raises RecordError otherwise."""
+    klass = None if klass is None else TierClass(klass)
     if len(blob) < HEADER_BYTES:
         raise RecordError(f"truncated record: {len(blob)} bytes, header needs {HEADER_BYTES}")
     magic, version, cls, _, kd, ns, length = _HEAD.unpack_from(blob)
@@ -95,7 +94,7 @@ def verify_record(
     if not hmac.compare_digest(kd, key_digest(key)):
         raise RecordError("record belongs to another key")
     if cls >= len(CLASSES) or (klass is not None and CLASSES[cls] != klass):
-        raise RecordError(f"record class {cls} is not {klass!r}")
+        raise RecordError(f"record class {cls} is not {klass}")
     if namespace is not None and ns != _namespace(namespace):
         raise RecordError("record belongs to another namespace (model, method or dtype)")
     return bytes(memoryview(blob)[HEADER_BYTES:])
@@ -114,42 +113,3 @@ def parse_payload(payload: bytes) -> tuple[dict[str, torch.Tensor], dict[str, st
     ):
         raise RecordError("record metadata is not a flat map of strings")
     return tensors, meta
-
-
-def pack_block(recipe: StoreRecipe, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, dict]:
-    """One block's per-layer dense K/V -> record tensors and string metadata, encoded with `recipe`."""
-    tensors, meta = {}, {"codec": spec_of(recipe.codec), "key_axis": recipe.key_axis}
-    for i, (k, v) in kv.items():
-        seg = encode_segment(recipe, k, v)
-        for tag, q in (("k", seg.keys), ("v", seg.values)):
-            meta[f"{i}.{tag}.shape"] = ",".join(map(str, q.shape))
-            meta[f"{i}.{tag}.dtype"] = str(q.dtype).removeprefix("torch.")
-            tensors.update({f"{i}.{tag}.{name}": t for name, t in q.parts.items()})
-        meta[f"{i}.tokens"] = str(k.shape[-2])
-    return tensors, meta
-
-
-def unpack_block(
-    recipe: StoreRecipe, tensors: dict, meta: dict, dtype: torch.dtype
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Record tensors + metadata -> per-layer dense K/V; any inconsistency is a RecordError."""
-    if meta.get("codec") != spec_of(recipe.codec) or meta.get("key_axis") != recipe.key_axis:
-        raise RecordError(
-            f"record codec {meta.get('codec')!r} does not match the method's {spec_of(recipe.codec)!r}"
-        )
-    try:
-        out = {}
-        layers = sorted({int(k.split(".")[0]) for k in tensors})
-        for i in layers:
-            qs = []
-            for tag in ("k", "v"):
-                parts = {k.split(".", 2)[2]: t for k, t in tensors.items() if k.startswith(f"{i}.{tag}.")}
-                shape = tuple(int(x) for x in meta[f"{i}.{tag}.shape"].split(","))
-                kind = getattr(torch, meta[f"{i}.{tag}.dtype"])
-                if not isinstance(kind, torch.dtype):
-                    raise TypeError(f"{meta[f'{i}.{tag}.dtype']!r} is not a dtype")
-                qs.append(QTensor(recipe.codec, shape, kind, parts))
-            out[i] = decode_segment(recipe, Segment(qs[0], qs[1], int(meta[f"{i}.tokens"])), dtype)
-    except Exception as exc:  # names, shapes, dtypes or parts that do not fit: the record is unusable
-        raise RecordError(f"record does not decode: {type(exc).__name__}: {exc}") from None
-    return out

@@ -6,6 +6,9 @@ Two classes, two policies:
 - SWA KV (sliding layers): a memory pool capped at a share of host RAM with a TTL of minutes;
   expired entries are reclaimed at once, live ones evicted oldest-first when the pool is full
   (an SWA miss costs a bounded replay, not a full prefill).
+Global KV a request asks to keep only "in_memory" (`Retention`) goes to an optional RAM tier of
+this process instead; a persistent request that hits it there promotes it. Tier class and
+retention are arguments of every call (enums: an unknown one is an error).
 Invariant: a read returns a record only if it proves it is intact, signed with this store's
 secret and written under the key, class and namespace asked for (`records.decode_record`);
 anything else is a miss, counted (`stats.corrupt`) and removed.
@@ -19,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from kvstrata.names import Retention, ServeKind, TierClass
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.disk_root import SECRET, open_root
 from kvstrata.place.memory import MemoryTier
@@ -54,49 +58,62 @@ class Lookup:
     swa: Entry | None = field(default=None, repr=False)
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> ServeKind:
         if self.global_blocks == 0:
-            return "miss"
-        return "hit" if self.swa_live else "replay"
+            return ServeKind.MISS
+        return ServeKind.HIT if self.swa_live else ServeKind.REPLAY
 
 
 class KVStore:
     """`secret` signs and verifies records; None draws a fresh one, so records live as long as this
-    object (`from_config` reads or creates the store's persistent secret)."""
+    object (`from_config` reads or creates the store's persistent secret). `memory_tier`: where
+    "in_memory" global KV goes (None: such a request is refused)."""
 
     def __init__(
         self, global_tier: Tier, swa_tier: Tier, retention_s: float = 72 * 3600, swa_ttl_s: float = 300.0,
-        secret: bytes | None = None,
+        secret: bytes | None = None, memory_tier: Tier | None = None,
     ):
         self.global_tier = global_tier
         self.swa_tier = swa_tier
+        self.memory_tier = memory_tier
         self.retention_s = retention_s
         self.swa_ttl_s = swa_ttl_s
         self.secret = secrets.token_bytes(32) if secret is None else secret
 
-    def _tier(self, klass: str) -> Tier:
-        return self.global_tier if klass == "global" else self.swa_tier
+    def _tier(self, klass: TierClass, retention: Retention = Retention.PERSISTENT) -> Tier:
+        if TierClass(klass) is TierClass.SWA:
+            return self.swa_tier
+        if Retention(retention) is Retention.PERSISTENT:
+            return self.global_tier
+        if self.memory_tier is None:
+            raise ValueError("this store has no in-memory tier for 'in_memory' retention")
+        return self.memory_tier
 
     # --- global KV -----------------------------------------------------------------------------
-    def put_global(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
-        """Persist one block's global KV; False (and counted) when the tier is full."""
-        by_ttl = self.global_tier.retention_by_ttl and self.retention_s > 0
-        blob = encode_record(tensors, meta, key=key, secret=self.secret, klass="global", namespace=namespace)
-        return self.global_tier.put(key, blob, ttl_s=self.retention_s if by_ttl else None)
+    def put_global(self, key: str, tensors, meta: dict, namespace: bytes = b"",
+                   retention: Retention = Retention.PERSISTENT) -> bool:
+        """Keep one block's global KV (persistently, or in this process's memory); False (and counted)
+        when the tier is full."""
+        tier = self._tier(TierClass.GLOBAL, retention)
+        by_ttl = tier.retention_by_ttl and self.retention_s > 0
+        blob = encode_record(tensors, meta, key=key, secret=self.secret, klass=TierClass.GLOBAL,
+                             namespace=namespace)
+        return tier.put(key, blob, ttl_s=self.retention_s if by_ttl else None)
 
     def get_global(self, key: str, namespace: bytes | None = None):
         """(tensors, meta) of a verified global record, or None (missing, expired, or rejected)."""
-        return self._verified("global", key, namespace)
+        return self._verified(TierClass.GLOBAL, key, namespace)
 
     # --- SWA KV ---------------------------------------------------------------------------------
     def put_swa(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
-        blob = encode_record(tensors, meta, key=key, secret=self.secret, klass="swa", namespace=namespace)
+        blob = encode_record(tensors, meta, key=key, secret=self.secret, klass=TierClass.SWA,
+                             namespace=namespace)
         return self.swa_tier.put(key, blob, ttl_s=self.swa_ttl_s)
 
     def get_swa(self, key: str, namespace: bytes | None = None):
-        return self._verified("swa", key, namespace)
+        return self._verified(TierClass.SWA, key, namespace)
 
-    def _verified(self, klass: str, key: str, namespace: bytes | None):
+    def _verified(self, klass: TierClass, key: str, namespace: bytes | None):
         entry = self.entry(klass, key, namespace)
         if entry is None:
             return None
@@ -106,43 +123,70 @@ class KVStore:
             entry.reject()
             return None
 
-    def entry(self, klass: str, key: str, namespace: bytes | None = None) -> Entry | None:
-        """`key`'s record in `klass`, verified (no tensor parsed), or None: missing, or a counted miss."""
-        blob = self._tier(klass).get(key)
+    def entry(self, klass: TierClass, key: str, namespace: bytes | None = None,
+              retention: Retention = Retention.PERSISTENT) -> Entry | None:
+        """`key`'s record in `klass`, verified (no tensor parsed), or None: missing, or a counted miss.
+        Global KV found only in the memory tier is promoted when `retention` is persistent."""
+        klass = TierClass(klass)
+        found, in_memory = self._find(klass, key, namespace)
+        if in_memory and Retention(retention) is Retention.PERSISTENT and namespace is not None:
+            try:
+                rec = found.open()
+            except RecordError:
+                found.reject()
+                return None
+            self.put_global(key, rec[0], dict(rec[1]), namespace)
+            found = Entry(None, found.reject, parsed=rec)
+        return found
+
+    def _find(self, klass: TierClass, key: str, namespace: bytes | None) -> tuple[Entry | None, bool]:
+        """(the record, whether it came from the memory tier)."""
+        found = self._entry(self._tier(klass), klass, key, namespace)
+        if found is not None or klass is TierClass.SWA or self.memory_tier is None:
+            return found, False
+        found = self._entry(self.memory_tier, klass, key, namespace)
+        return found, found is not None
+
+    def _entry(self, tier: Tier, klass: TierClass, key: str, namespace: bytes | None) -> Entry | None:
+        blob = tier.get(key)
         if blob is None:
             return None
         try:
             payload = verify_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
         except RecordError:
-            self.reject(key, klass)
+            self._reject(tier, key)
             return None
-        return Entry(payload, lambda: self.reject(key, klass))
+        return Entry(payload, lambda: self._reject(tier, key))
 
-    def _decode(self, klass: str, key: str, blob: bytes, namespace: bytes | None):
+    def _decode(self, klass: TierClass, key: str, blob: bytes, namespace: bytes | None):
         try:
             return decode_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
         except RecordError:
             self.reject(key, klass)
             return None
 
-    def reject(self, key: str, klass: str = "global") -> None:
+    def reject(self, key: str, klass: TierClass = TierClass.GLOBAL) -> None:
         """A record that verified but cannot be used (e.g. its payload does not decode): counted, removed."""
-        tier = self._tier(klass)
+        self._reject(self._tier(klass), key)
+
+    @staticmethod
+    def _reject(tier: Tier, key: str) -> None:
         tier.stats.corrupt += 1
         tier.delete(key)
 
     # --- serving --------------------------------------------------------------------------------
-    def lookup(self, hashes: list[str], namespace: bytes | None = None, swa: bool = True) -> Lookup:
+    def lookup(self, hashes: list[str], namespace: bytes | None = None, swa: bool = True,
+               retention: Retention = Retention.PERSISTENT) -> Lookup:
         """Longest prefix of `hashes` whose global KV is present and intact, and SWA liveness at its
         last block (`swa=False`: the model has no sliding layers, so no SWA state to lose)."""
         entries = []
         for h in hashes:
-            entry = self.entry("global", h, namespace)
+            entry = self.entry(TierClass.GLOBAL, h, namespace, retention)
             if entry is None:
                 break
             entries.append(entry)
         n = len(entries)
-        live = self.entry("swa", hashes[n - 1], namespace) if n and swa else None
+        live = self.entry(TierClass.SWA, hashes[n - 1], namespace) if n and swa else None
         return Lookup(n, n > 0 and (live is not None or not swa), entries, live)
 
     @classmethod
@@ -181,7 +225,7 @@ class KVStore:
             raise StoreUnavailable(f"the global tier failed while reading {key}")
         if blob is None:
             return ("corrupt" if t.stats.corrupt > corrupt else "gone"), None
-        rec = self._decode("global", key, blob, None)
+        rec = self._decode(TierClass.GLOBAL, key, blob, None)
         return ("ok", rec) if rec is not None else ("corrupt", None)
 
     def _skipped(self) -> dict:

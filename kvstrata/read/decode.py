@@ -13,13 +13,12 @@ outlier key channels held apart enter as a score bias.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from kvstrata.codecs import QTensor
-from kvstrata.codecs.outliers import channels, kept_values, merge_outliers, score_bias, zero_channels
-from kvstrata.codecs.rotation import rotate, unrotate
+from kvstrata.codecs.transform import IDENTITY, Attend, Fitted, per_query_head
 from kvstrata.read.kernels import cpu
 
 # codec name -> kernel kind; elements per scale block along head_dim (None: the codec's own field)
@@ -33,28 +32,34 @@ _NONE = torch.empty(0)
 class EncodedView:
     """A layer's encoded tokens at one step. `runs`: (keys, values, skip) in token order, keys
     `[b, h, n, d]` (or `[b, h, d, n]` when `key_channel`: KIVI groups along tokens), values
-    `[b, h, n, d]`; each `QTensor`'s own codec decodes it (`codec`: the keys', the values' may differ)."""
+    `[b, h, n, d]`; each `QTensor`'s own codec decodes it. `fitted`: the key transforms the codes
+    were encoded through, with their state; `sink`: K, V `[b, h, s, d]` of the oldest tokens, held
+    as they are (bf16) ahead of the runs. `generation` changes whenever held rows are rewritten."""
 
-    codec: object
     key_channel: bool
     runs: list[tuple[QTensor, QTensor, int]]
     generation: int = 0
-    rotation: torch.Tensor | None = None  # the codes hold K @ R and V @ R (`kvstrata.codecs.rotation`)
-    key_scale: torch.Tensor | None = None  # `[b, h, 1, d]`: the codes hold K / key_scale (smoothing)
-    outliers: torch.Tensor | None = None  # `[b, h, c]`: key channels held apart (keys' `outliers` part)
-    key_mean: torch.Tensor | None = None  # `[b, h, 1, d]`: the codes hold K - key_mean (centering)
-    sink: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V `[b, h, s, d]` of the oldest tokens, as held
+    fitted: Fitted = field(default=IDENTITY)
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def sink_tokens(self) -> int:
         return 0 if self.sink is None else self.sink[0].shape[-2]
 
     @property
-    def tokens(self) -> int:
-        runs = sum(k.shape[-1 if self.key_channel else -2] - skip for k, _, skip in self.runs)
-        return self.sink_tokens + runs
+    def run_tokens(self) -> int:
+        return sum(k.shape[-1 if self.key_channel else -2] - skip for k, _, skip in self.runs)
 
-    def dense(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def tokens(self) -> int:
+        """Visible tokens: the sink, then the runs."""
+        return self.sink_tokens + self.run_tokens
+
+    def side(self, name: str) -> torch.Tensor:
+        """Side part `name` of every visible encoded token (the runs', in order)."""
+        return torch.cat([k.parts[name][:, :, skip:] for k, _, skip in self.runs], -2)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every visible token decoded, per run, the sink first: `[b, h, n, d]` K and V (the reference
         path)."""
         ks, vs = ([self.sink[0].to(dtype)], [self.sink[1].to(dtype)]) if self.sink is not None else ([], [])
@@ -62,43 +67,33 @@ class EncodedView:
             kd = k.codec.decode(k).to(dtype)
             if self.key_channel:
                 kd = kd.transpose(-1, -2)
-            ks.append(self._finish(kd[..., skip:, :], self._kept(k, skip)))
-            vs.append(unrotate(v.codec.decode(v).to(dtype)[..., skip:, :], self.rotation))
+            side = {name: k.parts[name][:, :, skip:] for name in self.fitted.side}
+            ks.append(self.fitted.inverse_keys(kd[..., skip:, :], side))
+            vs.append(self.fitted.inverse_values(v.codec.decode(v).to(dtype)[..., skip:, :]))
         return ks, vs
 
-
     def key_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Visible key positions [start, stop) decoded, `[b, h, stop - start, d]`; only those rows
-        are decoded (whole runs when keys are grouped per channel)."""
-        out, kept, offset = [], [], 0
+        """Visible key positions [start, stop) (the sink first) decoded, `[b, h, stop - start, d]`; only
+        those rows are decoded (whole runs when keys are grouped per channel)."""
+        out, s = [], self.sink_tokens
+        if start < s:
+            out.append(self.sink[0][..., start:min(stop, s), :].to(dtype))
+        offset = s
         for k, _, skip in self.runs:
             n = (k.shape[-1] if self.key_channel else k.shape[-2]) - skip
             lo, hi = max(start, offset), min(stop, offset + n)
             if lo < hi:
                 a, b = skip + lo - offset, skip + hi - offset
                 if self.key_channel:
-                    out.append(k.codec.decode(k).to(dtype).transpose(-1, -2)[..., a:b, :])
+                    rows = k.codec.decode(k).to(dtype).transpose(-1, -2)[..., a:b, :]
+                    side = {name: k.parts[name][:, :, a:b] for name in self.fitted.side}
                 else:
-                    rows = token_rows(k, a, b)
-                    out.append(rows.codec.decode(rows).to(dtype))
-                    kept.append(rows.parts.get("outliers"))
+                    q = token_rows(k, a, b)
+                    rows = q.codec.decode(q).to(dtype)
+                    side = {name: q.parts[name] for name in self.fitted.side}
+                out.append(self.fitted.inverse_keys(rows, side))
             offset += n
-        return self._finish(torch.cat(out, -2), torch.cat(kept, -2) if self.outliers is not None else None)
-
-    def kept(self) -> torch.Tensor:
-        """The outlier channels of every visible token, `[b, h, tokens, c]` float32."""
-        return kept_values(torch.cat([self._kept(k, skip) for k, _, skip in self.runs], -2))
-
-    def _kept(self, k: QTensor, skip: int) -> torch.Tensor | None:
-        return None if self.outliers is None else k.parts["outliers"][:, :, skip:]
-
-    def _finish(self, k: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-        """Decoded codes -> keys: rotated back, outlier channels put back, smoothing and centering undone."""
-        k = unrotate(k, self.rotation)
-        if kept is not None:
-            k = merge_outliers(k, kept, self.outliers)
-        k = k if self.key_scale is None else (k * self.key_scale).to(k.dtype)
-        return k if self.key_mean is None else (k + self.key_mean).to(k.dtype)
+        return torch.cat(out, -2)
 
 
 def token_rows(q: QTensor, a: int, b: int) -> QTensor:
@@ -178,9 +173,18 @@ def reference_attention(
     return (torch.softmax(scores, -1) @ v)[:, :, 0]
 
 
-def per_query_head(t: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-    """`t: [b, kv_heads, ...]` repeated along dim 1 to `query`'s heads (grouped-query attention)."""
-    return t.repeat_interleave(query.shape[1] // t.shape[1], 1)
+def _sink_to_tail(view: EncodedView, a: Attend, idx: torch.Tensor | None):
+    """The sink joins the full-precision tail (attention ignores key order): positions over
+    [sink, runs, tail] become positions over [runs, sink, tail]; `idx` remapped and re-sorted."""
+    s, m = view.sink_tokens, view.run_tokens
+    if a.bias is not None:
+        a.bias = torch.cat([a.bias[..., s:s + m], a.bias[..., :s], a.bias[..., s + m:]], -1)
+    sk, sv = view.sink
+    a.tail_k = torch.cat([sk.to(a.tail_k.dtype), a.tail_k], -2)
+    a.tail_v = torch.cat([sv.to(a.tail_v.dtype), a.tail_v], -2)
+    if idx is not None:
+        idx = torch.where(idx < s, idx + m, torch.where(idx < s + m, idx - s, idx)).sort(-1).values
+    return idx
 
 
 def decode_attention(
@@ -190,42 +194,26 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attend `query: [b, hq, 1, d]` over `view`'s tokens followed by `tail_k, tail_v: [b, hk, t, d]`;
     `idx: [b, hk, m]` (sorted positions over that concatenation) reads only those; `bias: [b, hq, n]`
-    (n: every visible token) is added to the scores before scaling. -> `[b, hq, d]`."""
-    if view.sink is not None:  # the sink joins the full-precision tail (attention ignores key order)
-        if idx is not None:
-            raise ValueError("sparse reads (idx) do not take a view holding sink tokens")
-        s, n = view.sink_tokens, view.tokens
-        if bias is not None:
-            bias = torch.cat([bias[..., s:n], bias[..., :s], bias[..., n:]], -1)
-        sk, sv = view.sink
-        tail_k = torch.cat([sk.to(tail_k.dtype), tail_k], -2)
-        tail_v = torch.cat([sv.to(tail_v.dtype), tail_v], -2)
-        return decode_attention(query, replace(view, sink=None), tail_k, tail_v, scaling, softcap, idx, fused,
-                                bias)
-    if view.key_mean is not None:  # the codes hold K - m: q.k = q.(K - m) + q.m, the same for every key
-        m = view.key_mean.float()
-        if softcap:  # a shift the softmax forgets, unless a softcap bends the scores first
-            qm = (query.float() * per_query_head(m, query)).sum(-1)  # [b, hq, 1]
-            shift = qm.expand(-1, -1, view.tokens + tail_k.shape[-2])
-            bias = shift if bias is None else bias + shift
-        return decode_attention(query, replace(view, key_mean=None), tail_k.float() - m, tail_v, scaling,
-                                softcap, idx, fused, bias)
-    if view.key_scale is not None:  # the codes hold K / s: attend with q * s (q.k unchanged)
-        s = view.key_scale.float()
-        sq = per_query_head(s, query)
-        return decode_attention(query.float() * sq, replace(view, key_scale=None), tail_k.float() / s, tail_v,
-                                scaling, softcap, idx, fused, bias)
-    if view.outliers is not None:  # q.k = q_rest . codes + q_out . k_out (the kept channels, a bias)
-        c = view.outliers
-        kept = torch.cat([view.kept(), channels(tail_k, c).float()], -2)
-        extra = score_bias(query, c, kept)
-        return decode_attention(zero_channels(query, c), replace(view, outliers=None), tail_k, tail_v,
-                                scaling, softcap, idx, fused, extra if bias is None else bias + extra)
-    if view.rotation is not None:  # attend in the rotated space the codes are in, then rotate back
-        r = view.rotation
-        out = decode_attention(rotate(query, r), replace(view, rotation=None), rotate(tail_k, r),
-                               rotate(tail_v, r), scaling, softcap, idx, fused, bias)
-        return unrotate(out, r)
+    (n: every visible token) is added to the scores before scaling. -> `[b, hq, d]`.
+
+    The query, tail and bias are first moved into the codes' space by the view's transforms, one by
+    one in pipeline order; their output fix-ups run in reverse."""
+    a = Attend(query, tail_k, tail_v, bias, softcap, view.tokens + tail_k.shape[-2])
+    if view.sink is not None:
+        idx = _sink_to_tail(view, a, idx)
+    fixes = view.fitted.enter(a, view.side)
+    out = attend_codes(a.query, view, a.tail_k, a.tail_v, scaling, softcap, idx, fused, a.bias)
+    for fix in reversed(fixes):
+        out = fix(out)
+    return out
+
+
+def attend_codes(
+    query: torch.Tensor, view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
+    softcap: float | None, idx: torch.Tensor | None, fused: bool, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """`decode_attention` over the codes as they are (no sink, query already in the codes' space):
+    the C++ or Triton kernel, else decoded runs and `reference_attention`."""
     # a codec the kernels do not know: the reference path
     fused = fused and all(q.codec.name in _KINDS for run in view.runs for q in run[:2])
     if fused and query.device.type == "cuda":
@@ -242,7 +230,7 @@ def decode_attention(
             q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0), empty if idx is None else idx,
             torch.empty(0) if bias is None else bias.float(),
         )
-    ks, vs = view.dense()
+    ks, vs = _raw_runs(view)
     keys, values = torch.cat(ks + [tail_k.float()], -2), torch.cat(vs + [tail_v.float()], -2)
     if idx is not None:
         gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
@@ -250,3 +238,16 @@ def decode_attention(
         if bias is not None:
             bias = bias.gather(-1, per_query_head(idx, query))
     return reference_attention(query, keys, values, scaling, softcap, bias)
+
+
+def _raw_runs(view: EncodedView) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The runs decoded as the codes hold them (transforms not undone), `[b, h, n, d]` float32."""
+    ks, vs = [], []
+    for k, v, skip in view.runs:
+        kd = k.codec.decode(k).float()
+        ks.append((kd.transpose(-1, -2) if view.key_channel else kd)[..., skip:, :])
+        vs.append(v.codec.decode(v).float()[..., skip:, :])
+    return ks, vs
+
+
+__all__ = ["EncodedView", "decode_attention", "per_query_head", "reference_attention"]

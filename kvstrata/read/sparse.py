@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -79,11 +79,22 @@ class TopK:
         return [pattern[i % len(pattern)] for i in range(n_layers)]
 
 
+class HeldLayer(Protocol):
+    """What a sparse read needs of a cache layer: the bytes one encoded K row and V row take."""
+
+    def row_bytes(self) -> tuple[float, float]: ...
+
+
+#: (generation, n): the first n keys a step reads come from encoded storage and keep their index
+#: rows while the generation holds (None: keep nothing)
+Stable = tuple[int, int] | None
+
+
 @dataclass
 class ReadState:
     cfg: TopK
     modes: dict[int, str]  # layer index -> F / R / U (full-attention layers only)
-    layers: list = field(default_factory=list)  # the cache's layers (their encoded row sizes)
+    layers: list[HeldLayer] = field(default_factory=list)  # the cache's layers (their encoded row sizes)
     head_dim: int = 0
     row_bytes: dict[int, tuple[float, float, float]] = field(default_factory=dict)  # K row, V row, index row
     source: dict[str, torch.Tensor] = field(default_factory=dict)  # the current Full layer's picks
@@ -162,17 +173,19 @@ def _amax(kept: dict, layer: int, tag, stable: int, rows: torch.Tensor) -> torch
 
 
 def _scores(
-    state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, cand: torch.Tensor | None = None
+    state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, prefix: Stable,
+    cand: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The layer's indexer scores for `q` of every cached key, or of the candidate positions `cand`.
-    Index rows of keys the layer read from encoded storage never change while its generation holds:
-    they are computed once (and, for lowrank, rounded to NVFP4 once while the tensor scale holds)."""
+    Index rows of keys the layer read from encoded storage (`prefix`) never change while its
+    generation holds: they are computed once (and, for lowrank, rounded to NVFP4 once while the
+    tensor scale holds)."""
     cfg = state.cfg
     if cfg.indexer == "lowrank" and layer not in state.bases:
         # fitted once, from the whole cache at the first sparse step
         state.bases[layer] = key_basis(k[..., :, :], cfg.rank)
     basis = state.bases.get(layer)
-    generation, stable = getattr(state.layers[layer], "read_prefix", (None, 0))
+    generation, stable = prefix if prefix is not None else (None, 0)
     if cfg.indexer == "exact":  # the keys themselves: nothing to keep
         rows = k.float()
     else:
@@ -189,8 +202,11 @@ def _scores(
     return score(cfg.indexer, q, rows, basis)
 
 
-def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Positions `[b, kv_heads, m]` (sorted) this layer reads; counts the bytes scanned and gathered."""
+def select(
+    state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, prefix: Stable = None
+) -> torch.Tensor:
+    """Positions `[b, kv_heads, m]` (sorted) this layer reads over keys `k: [b, h, n, d]`; counts the
+    bytes scanned and gathered. `prefix`: which leading keys are stable (`Stable`)."""
     cfg, (b, heads, n, _) = state.cfg, k.shape
     kb, vb, ib = state.rows(layer)  # one K row, one V row, one index-key row (per KV head)
     sinks = min(cfg.sinks, n)
@@ -204,7 +220,7 @@ def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> to
             top = torch.arange(sinks, recent).expand(b, heads, middle)
             cand = top
         else:
-            scores = _scores(state, layer, q, k)
+            scores = _scores(state, layer, q, k, prefix)
             scores[..., :sinks] = float("-inf")
             scores[..., recent:] = float("-inf")
             state.bytes_read += n * heads * ib
@@ -214,7 +230,7 @@ def select(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor) -> to
         state.source = {"top": top, "cand": cand}
     elif mode == "R":
         cand = state.source["cand"]
-        sub = _scores(state, layer, q, k, cand)
+        sub = _scores(state, layer, q, k, prefix, cand)
         state.bytes_read += cand.shape[-1] * heads * ib
         top = cand.gather(-1, sub.topk(min(cfg.k, cand.shape[-1]), -1).indices)
     else:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from kvstrata.names import Retention
 from kvstrata.serve.auth import APIKeys, tenant_salt
 from kvstrata.serve.config import ServeConfig
 from kvstrata.serve.errors import APIError, error_body
@@ -24,7 +25,7 @@ from kvstrata.serve.metrics import Metrics
 from kvstrata.serve.prompts import Prompts
 from kvstrata.serve.sampling import Sampling
 from kvstrata.serve.schemas import ChatRequest, CompletionRequest, parse
-from kvstrata.serve.worker import Job, Outcome, Worker
+from kvstrata.serve.worker import Event, Failed, Finished, Job, Outcome, TextDelta, Worker
 from kvstrata.serve.write_behind import WriteBehindStore
 
 log = logging.getLogger("kvstrata.serve")
@@ -158,17 +159,18 @@ async def _generate(rt: Runtime, request: Request, chat: bool):
     )
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
-    def emit(event):
+    def emit(event: Event):
         try:
             loop.call_soon_threadsafe(events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (shutdown): nobody to tell
             pass
 
     job = Job(
-        ids, max_tokens,
-        Sampling(req.temperature or 0.0, req.top_p if req.top_p is not None else 1.0, req.seed), req.stops,
-        tenant_salt(key, req.cache_salt), req.prompt_cache_retention or rt.cfg.default_retention,
-        arrived + rt.cfg.request_timeout_s, emit, arrived,
+        ids=ids, max_tokens=max_tokens,
+        sampling=Sampling(req.temperature or 0.0, req.top_p if req.top_p is not None else 1.0, req.seed),
+        stops=req.stops, tenant=tenant_salt(key, req.cache_salt),
+        retention=Retention(req.prompt_cache_retention or rt.cfg.default_retention),
+        deadline=arrived + rt.cfg.request_timeout_s, emit=emit, arrived=arrived,
     )
     rt.worker.submit(job)
     shape = _Shape(rt, chat)
@@ -186,10 +188,10 @@ async def _generate(rt: Runtime, request: Request, chat: bool):
                 job.cancelled.set()
                 return Response(status_code=499)  # nobody is listening
             continue
-        if event[0] == "error":
-            raise event[1]
-        if event[0] == "done":
-            return shape.whole(event[1])
+        if isinstance(event, Failed):
+            raise event.error
+        if isinstance(event, Finished):
+            return shape.whole(event.outcome)
 
 
 class _Shape:
@@ -258,11 +260,11 @@ async def _sse(job: Job, events: asyncio.Queue, shape: _Shape, include_usage: bo
     try:
         while True:
             event = await events.get()
-            if event[0] == "text":
-                yield _data(shape.chunk(event[1], first=first))
+            if isinstance(event, TextDelta):
+                yield _data(shape.chunk(event.text, first=first))
                 first = False
-            elif event[0] == "done":
-                o: Outcome = event[1]
+            elif isinstance(event, Finished):
+                o: Outcome = event.outcome
                 yield _data(
                     {**shape.chunk(None, first=first, finish=o.finish_reason), "kvstrata": o.kvstrata()}
                 )
@@ -271,7 +273,7 @@ async def _sse(job: Job, events: asyncio.Queue, shape: _Shape, include_usage: bo
                 yield "data: [DONE]\n\n"
                 return
             else:
-                e: APIError = event[1]
+                e: APIError = event.error
                 yield _data(e.body())
                 yield "data: [DONE]\n\n"
                 return

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RETENTIONS = ("in_memory", "24h")
+from kvstrata.names import Retention
+
+RETENTIONS = tuple(r.value for r in Retention)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class _StoreCollector:
             "kvstrata_store_memory_bytes", "bytes held by in-process tiers", labels=["tier"]
         )
         swa.add_metric(["swa"], self.store.swa_tier.nbytes())
-        swa.add_metric(["memory_global"], self.store.memory.global_tier.nbytes())
+        swa.add_metric(["memory_global"], self.store.memory_tier.nbytes())
         yield swa
 
 

@@ -16,9 +16,10 @@ import torch
 from kvstrata.hf.cache import CompressedCache
 from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
+from kvstrata.names import Retention, ServeKind
 from kvstrata.place.prefix_keys import model_fingerprint
-from kvstrata.place.serving import PrefixServer, Served, weights_digest
-from kvstrata.serve.write_behind import RETENTION, WriteBehindStore
+from kvstrata.place.prefix_server import PrefixServer, Served, weights_digest
+from kvstrata.serve.write_behind import WriteBehindStore
 
 MAX_TENANTS = 4096  # PrefixServers kept; one is cheap to rebuild (no weight hashing)
 
@@ -49,18 +50,16 @@ class Sessions:
         self._servers.move_to_end(tenant)
         return server
 
-    def serve(self, ids: list[int], tenant: bytes, retention: str) -> Served:
-        """The prompt's cache and next-token logits; with the store, new blocks are queued for writing."""
+    def serve(self, ids: list[int], tenant: bytes, retention: Retention) -> Served:
+        """The prompt's cache and next-token logits; with the store, new blocks are queued for writing
+        under `retention`."""
         if self.store is None:
             return self._uncached(ids)
-        token = RETENTION.set(retention)
-        try:
-            return self._server(tenant).serve(ids)
-        finally:
-            RETENTION.reset(token)
+        return self._server(tenant).serve(ids, retention)
 
     def _uncached(self, ids: list[int]) -> Served:
         t0 = time.perf_counter()
         cache = CompressedCache(self.model.config, self.spec)
         logits = forward(self.model, torch.tensor([ids]), cache)[:, -1]
-        return Served(cache, logits, "miss", 0, len(ids), time.perf_counter() - t0, 0.0)
+        return Served(cache=cache, logits=logits, kind=ServeKind.MISS, reused_tokens=0,
+                      computed_tokens=len(ids), ttft_s=time.perf_counter() - t0, write_s=0.0)

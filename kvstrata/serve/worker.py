@@ -12,7 +12,8 @@ wait; one beyond that is refused at once (429 with `Retry-After`).
 
 Each request checks, between steps, whether its client went away (generation stops) and whether
 its deadline passed (before the first token: 504; after: it ends as if `max_tokens` were reached).
-Results go back through the request's `emit`, which is safe to call from this thread.
+Results go back through the request's `emit` as events (`TextDelta`, `Finished`, `Failed`), which
+is safe to call from this thread.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from kvstrata.hf.reading import reading
 from kvstrata.hf.run import forward
+from kvstrata.names import FinishReason, Retention, ServeKind
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
 from kvstrata.serve.text import TextStream
@@ -36,27 +38,51 @@ from kvstrata.serve.text import TextStream
 log = logging.getLogger("kvstrata.serve")
 
 
-@dataclass
+@dataclass(frozen=True)
+class TextDelta:
+    """More of the answer's text (may be empty: the first token came, its text is held back)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request is done."""
+
+    outcome: "Outcome"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed (its HTTP status and body are the error's)."""
+
+    error: APIError
+
+
+Event = TextDelta | Finished | Failed
+
+
+@dataclass(kw_only=True)
 class Job:
     ids: list[int]
     max_tokens: int
     sampling: Sampling
     stops: tuple[str, ...]
     tenant: bytes
-    retention: str
+    retention: Retention
     deadline: float  # time.monotonic() by which the request must be done
-    emit: Callable[[tuple], None]  # ("text", str) | ("done", Outcome) | ("error", APIError)
+    emit: Callable[[Event], None]
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     text: str
-    finish_reason: str  # stop | length
+    finish_reason: FinishReason  # stop | length
     prompt_tokens: int
     completion_tokens: int
-    kind: str  # hit | replay | miss
+    kind: ServeKind
     reused_tokens: int
     computed_tokens: int
     ttft_s: float
@@ -163,20 +189,20 @@ class Worker:
                 self._active = len(active)
         for run in active + list(self._waiting):  # shutting down
             job = run.job if isinstance(run, _Run) else run
-            job.emit(("error", APIError(503, "the server is shutting down")))
+            job.emit(Failed(APIError(503, "the server is shutting down")))
 
     # --- one step of one request --------------------------------------------------------------
     def _step(self, run: _Run) -> bool:
         """Advance `run` by one step; True when it has ended."""
         job = run.job
         if job.cancelled.is_set():
-            return self._end(run, "cancelled")
+            return self._end(run, FinishReason.CANCELLED)
         if time.monotonic() > job.deadline:
             if run.served is None:
-                job.emit(("error", APIError(504, "the request passed its deadline before its first token")))
+                job.emit(Failed(APIError(504, "the request passed its deadline before its first token")))
                 self.metrics.finished.labels("deadline").inc()
                 return True
-            return self._end(run, "length", timed_out=True)
+            return self._end(run, FinishReason.LENGTH, timed_out=True)
         try:
             if run.served is None:
                 run.started = time.monotonic()
@@ -187,7 +213,7 @@ class Worker:
             return self._take(run, logits)
         except Exception:  # a bug of ours, not the client's: log it, answer 500 without a traceback
             log.exception("request failed in the model worker")
-            job.emit(("error", APIError(500, "internal error while generating (logged by the server)")))
+            job.emit(Failed(APIError(500, "internal error while generating (logged by the server)")))
             self.metrics.finished.labels("error").inc()
             return True
 
@@ -197,35 +223,37 @@ class Worker:
         if first:
             run.ttft = time.monotonic() - run.started
         if token in self.eos:
-            return self._end(run, "stop")
+            return self._end(run, FinishReason.STOP)
         run.tokens += 1
         run.last = token
         delta, stopped = run.text.push(token)
         if delta or first:
-            run.job.emit(("text", delta))
+            run.job.emit(TextDelta(delta))
         if stopped:
-            return self._end(run, "stop")
+            return self._end(run, FinishReason.STOP)
         if run.tokens >= run.job.max_tokens or len(run.job.ids) + run.tokens >= self.context:
-            return self._end(run, "length")
+            return self._end(run, FinishReason.LENGTH)
         return False
 
-    def _end(self, run: _Run, reason: str, timed_out: bool = False) -> bool:
+    def _end(self, run: _Run, reason: FinishReason, timed_out: bool = False) -> bool:
         job, served = run.job, run.served
         self.metrics.finished.labels("deadline" if timed_out else reason).inc()
         if served is None:  # cancelled while waiting
             return True
-        rest = run.text.finish() if reason != "cancelled" else ""
+        rest = run.text.finish() if reason is not FinishReason.CANCELLED else ""
         if rest:
-            job.emit(("text", rest))
+            job.emit(TextDelta(rest))
         queue_s = run.started - job.arrived
         out = Outcome(
-            run.text.text, reason, len(job.ids), run.tokens, served.kind, served.reused_tokens,
-            served.computed_tokens, run.ttft, queue_s, served.write_s, timed_out,
+            text=run.text.text, finish_reason=reason, prompt_tokens=len(job.ids),
+            completion_tokens=run.tokens,
+            kind=served.kind, reused_tokens=served.reused_tokens, computed_tokens=served.computed_tokens,
+            ttft_s=run.ttft, queue_s=queue_s, write_s=served.write_s, timed_out=timed_out,
         )
         self.metrics.prompt(
             out.kind, out.prompt_tokens, out.cached_tokens, out.computed_tokens, out.ttft_s, queue_s
         )
         self.metrics.generated_tokens.inc(run.tokens)
         self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - run.started)
-        job.emit(("done", out))
+        job.emit(Finished(out))
         return True

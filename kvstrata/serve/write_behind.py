@@ -5,10 +5,10 @@
   still on its way is read back from memory (read-your-writes): the next turn of a conversation
   hits even if its blocks are not yet on disk. At most `max_pending` records wait; beyond that
   the caller blocks (back-pressure, never unbounded memory).
-- Retention classes (`prompt_cache_retention`, read from the `RETENTION` context variable at
-  write time): "24h" writes global KV to the persistent tier (disk / Redis, kept at least
-  `retention_hours`); "in_memory" keeps it in a RAM LRU of this process only, never written out
-  and lost on restart. A "24h" request that hits an in-memory block promotes it.
+- Retention classes (`prompt_cache_retention`, passed with each call as a `Retention`): "24h"
+  writes global KV to the persistent tier (disk / Redis, kept at least `retention_hours`);
+  "in_memory" keeps it in a RAM LRU of this process only (the store's `memory_tier`), never
+  written out and lost on restart. A "24h" request that hits an in-memory block promotes it.
 - One lock serialises tier access between the model worker (reads) and the writer (writes).
 
 Built on `KVStore`'s public methods only, with the store's own secret (`from_config` reads the
@@ -23,37 +23,35 @@ import logging
 import queue
 import threading
 import time
-from contextvars import ContextVar
 from dataclasses import dataclass
 
+from kvstrata.names import Retention, TierClass
 from kvstrata.place.memory import MemoryTier
-from kvstrata.place.records import RecordError
 from kvstrata.place.store import Entry, KVStore
 
 log = logging.getLogger("kvstrata.serve")
 
-#: retention class of the request being served ("24h" | "in_memory")
-RETENTION: ContextVar[str] = ContextVar("kvstrata_retention", default="24h")
 
-
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class _Pending:
-    cls: str  # "global" | "swa"
+    cls: TierClass
     key: str
     tensors: dict
     meta: dict
-    retention: str
+    retention: Retention
     namespace: bytes = b""
 
 
 class WriteBehindStore(KVStore):
-    """A `KVStore` (persistent global tier + SWA pool) with a RAM tier for "in_memory" global KV."""
+    """A `KVStore` (persistent global tier + SWA pool + a RAM tier for "in_memory" global KV) whose
+    writes happen on a thread of their own."""
 
     def __init__(self, *args, memory_global_bytes: int = 1 << 30, max_pending: int = 1024, **kwargs):
         super().__init__(*args, **kwargs)
-        self.memory = self._memory_store(memory_global_bytes)
+        if self.memory_tier is None:
+            self.memory_tier = MemoryTier(memory_global_bytes)
         self._lock = threading.RLock()
-        self._pending: dict[tuple[str, str], _Pending] = {}
+        self._pending: dict[tuple[TierClass, str], _Pending] = {}
         self._jobs: queue.Queue[_Pending | None] = queue.Queue(maxsize=max_pending)
         self.write_failures = 0
         self._writer = threading.Thread(target=self._drain, name="kvstrata-store-writer", daemon=True)
@@ -63,53 +61,32 @@ class WriteBehindStore(KVStore):
     def open(cls, cfg, memory_global_bytes: int = 1 << 30) -> "WriteBehindStore":
         """The store a `StoreConfig` describes, with an "in_memory" global tier of `memory_global_bytes`."""
         store = cls.from_config(cfg)  # the store's persistent secret
-        store.memory = store._memory_store(memory_global_bytes)
+        store.memory_tier = MemoryTier(memory_global_bytes)
         return store
-
-    def _memory_store(self, nbytes: int) -> KVStore:
-        """The RAM tier for "in_memory" global KV: same SWA pool, same secret."""
-        return KVStore(
-            MemoryTier(nbytes), self.swa_tier, self.retention_s, self.swa_ttl_s, secret=self.secret
-        )
 
     def tiers(self) -> dict:
         """Every tier by the name metrics give it."""
-        return {"global": self.global_tier, "memory_global": self.memory.global_tier, "swa": self.swa_tier}
+        return {"global": self.global_tier, "memory_global": self.memory_tier, "swa": self.swa_tier}
 
     # --- reads: pending first, then the tiers --------------------------------------------------
-    def entry(self, klass: str, key: str, namespace: bytes | None = None) -> Entry | None:
-        pending = self._pending_record(klass, key, namespace)
-        if pending is not None:
-            return Entry(None, lambda: None, parsed=pending)
+    def _find(self, klass: TierClass, key: str, namespace: bytes | None) -> tuple[Entry | None, bool]:
         with self._lock:
-            found = super().entry(klass, key, namespace)
-            if found is not None or klass == "swa":
-                return found
-            found = self.memory.entry("global", key, namespace)
-        if found is not None and RETENTION.get() == "24h" and namespace is not None:
-            try:  # promote to the persistent tier
-                rec = found.open()
-            except RecordError:
-                found.reject()
-                return None
-            self._enqueue(_Pending("global", key, rec[0], dict(rec[1]), "24h", namespace))
-            found = Entry(None, found.reject, parsed=rec)
-        return found
-
-    def _pending_record(self, cls: str, key: str, namespace: bytes | None):
-        """(tensors, str metadata) of a record not yet written, as `decode_record` would return it."""
+            p = self._pending.get((klass, key))
+        if p is not None and (namespace is None or p.namespace == namespace):
+            found = Entry(None, lambda: None, parsed=(p.tensors, {k: str(v) for k, v in p.meta.items()}))
+            return found, p.retention is Retention.IN_MEMORY
         with self._lock:
-            p = self._pending.get((cls, key))
-        if p is None or (namespace is not None and p.namespace != namespace):
-            return None
-        return p.tensors, {k: str(v) for k, v in p.meta.items()}
+            return super()._find(klass, key, namespace)
 
     # --- writes: queued ------------------------------------------------------------------------
-    def put_global(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
-        return self._enqueue(_Pending("global", key, tensors, dict(meta), RETENTION.get(), namespace))
+    def put_global(self, key: str, tensors, meta: dict, namespace: bytes = b"",
+                   retention: Retention = Retention.PERSISTENT) -> bool:
+        return self._enqueue(_Pending(cls=TierClass.GLOBAL, key=key, tensors=tensors, meta=dict(meta),
+                                      retention=Retention(retention), namespace=namespace))
 
     def put_swa(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
-        return self._enqueue(_Pending("swa", key, tensors, dict(meta), RETENTION.get(), namespace))
+        return self._enqueue(_Pending(cls=TierClass.SWA, key=key, tensors=tensors, meta=dict(meta),
+                                      retention=Retention.PERSISTENT, namespace=namespace))
 
     def _enqueue(self, item: _Pending) -> bool:
         with self._lock:
@@ -124,12 +101,10 @@ class WriteBehindStore(KVStore):
                 if item is None:
                     return
                 with self._lock:
-                    if item.cls == "swa":
+                    if item.cls is TierClass.SWA:
                         super().put_swa(item.key, item.tensors, item.meta, item.namespace)
-                    elif item.retention == "in_memory":
-                        self.memory.put_global(item.key, item.tensors, item.meta, item.namespace)
                     else:
-                        super().put_global(item.key, item.tensors, item.meta, item.namespace)
+                        super().put_global(item.key, item.tensors, item.meta, item.namespace, item.retention)
             except Exception:  # a failed write is a later miss, never a failed request
                 self.write_failures += 1
                 log.exception("writing %s record %s failed", item.cls, item.key)

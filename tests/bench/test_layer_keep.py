@@ -8,6 +8,7 @@ from kvstrata.bench.layer_keep import allocate, lost_mass, mass_curves, policy_s
 from kvstrata.bench.tune import Evaluator, TuneConfig, tune
 from kvstrata.bench.tune_keep import check_keep, compose, keep_curves, tune_keep
 from kvstrata.cli import main
+from kvstrata.codecs import Rotation
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
 
@@ -53,7 +54,7 @@ def test_the_rendered_spec_gives_each_layer_its_fraction():
     m = parse_method(spec)
     for i, f in enumerate(fractions):
         rec = m.recipe("full", i)
-        assert rec.codec.name == "int4" and rec.rot == "hadamard"
+        assert rec.codec.name == "int4" and rec.transform(Rotation) == Rotation("hadamard")
         assert (rec.keep is None) if f == 1.0 else rec.keep.keep == (0.4 if f is None else f)
     assert render_keep("tova", [0.5, 0.5], "bf16") == "tova:keep=0.50"
 

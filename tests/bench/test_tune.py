@@ -7,6 +7,7 @@ import pytest
 
 from kvstrata.bench.tune import TuneConfig, kv_recipe, passes, render, tune, upgrade_path
 from kvstrata.cli import main
+from kvstrata.codecs import Rotation
 from kvstrata.hf import CompressedCache
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
@@ -61,7 +62,7 @@ def test_an_unreachable_bytes_target_is_reported(tuned, tiny_gemma):
     (dict(ladder=("bf16", "fp8;sliding=bf16")), "one recipe"),
     (dict(ladder=("bf16", "fp8+topk:k=8")), "whole model"),
     (dict(tasks=("vartrack",)), "retrieval tasks"),
-    (dict(kv_apart=True), "default parameters"),  # int2:r=4,group=8: v= cannot say group=8
+    (dict(kv_apart=True, ladder=("bf16", "fp8:block=32")), "cannot be written as v="),  # v= has no block
     (dict(kv_apart=True, ladder=("bf16", "tova:keep=0.5+fp8")), "no keep policy"),
 ])
 def test_bad_settings_are_refused(tmp_path, kw, message):
@@ -98,12 +99,14 @@ def test_keys_and_values_apart_render_and_parse():
     ladder = ("bf16", "fp8", "nvfp4:rot=hadamard", "int2:r=32")
     assert kv_recipe("int2:r=32", "nvfp4:rot=hadamard") == "int2:r=32,keys=channel,rot=hadamard,v=nvfp4"
     assert kv_recipe("fp8", "fp8") == "fp8"
+    assert kv_recipe("bf16", "int2:r=4,group=8,fit=lsq") == "bf16:r=4,keys=token,v=int2,vgroup=8,fit=lsq"
     assign = (2, 3, 2, 3, 1, 1, 2, 3)  # layers 0, 1, 3: NVFP4 keys, INT2 values; layer 2: FP8 both
     spec = render(assign, ladder, kv_apart=True)
     assert spec == "nvfp4:r=32,keys=token,rot=hadamard,v=int2;layers[2]=fp8"
     parsed = parse_method(spec)
     mixed = parsed.recipe("full", 0)
-    assert (mixed.codec.name, mixed.value_codec.name, mixed.r, mixed.rot) == ("nvfp4", "int2", 32, "hadamard")
+    assert (mixed.codec.name, mixed.value_codec.name, mixed.r) == ("nvfp4", "int2", 32)
+    assert mixed.transforms == (Rotation("hadamard"),)
     assert parsed.recipe("full", 2) == parse_method("fp8").full
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvstrata import quantize
-from kvstrata.codecs.rotation import fwht, hadamard_rotation, rotate, unrotate
+from kvstrata.codecs.rotation import Rotation, fwht, hadamard_rotation, rotate, unrotate
 from kvstrata.methods import parse_method
 
 
@@ -55,10 +55,10 @@ def test_rotation_spreads_outlier_channels():
 def test_power_of_two_head_dim_and_clear_spec_errors():
     with pytest.raises(ValueError, match="power of two"):
         hadamard_rotation(48)
-    for spec, message in [("nvfp4:rot=random", "rot must be 'none' or 'hadamard'"),
+    for spec, message in [("nvfp4:rot=random", "rot must be one of none, hadamard, got 'random'"),
                           ("nvfp4:rot=hadamard,rotseed=-1", "rotseed must be an integer"),
                           ("depth:g=2+bf16:rot=hadamard", "does not combine with depth sharing")]:
         with pytest.raises(ValueError, match=message):
             parse_method(spec)
     recipe = parse_method("int2:rot=hadamard,rotseed=7").full
-    assert (recipe.rot, recipe.rot_seed, recipe.r) == ("hadamard", 7, 128)
+    assert (recipe.transforms, recipe.r) == ((Rotation("hadamard", 7),), 128)

@@ -8,12 +8,14 @@ import torch
 from transformers import DynamicCache
 
 from kvstrata.codecs.outliers import (
+    Outliers,
     merge_outliers,
     outlier_channels,
     score_bias,
     split_outliers,
     zero_channels,
 )
+from kvstrata.codecs.smoothing import Smooth
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.layers import CompressedLayer
 from kvstrata.methods import parse_method
@@ -56,12 +58,13 @@ def test_the_bias_and_the_zeroed_query_add_up_to_q_dot_k():
 
 
 def _divisors(layer) -> int:
-    return layer.key_scale.numel() * 4  # fp32 per channel, KV head and layer
+    return layer.fitted.state_of(Smooth)["scale"].numel() * 4  # fp32 per channel, KV head and layer
 
 
 def _kept_channels(layer) -> int:
-    tokens, heads = layer.stored_tokens() - layer.keys.shape[-2], layer.outlier_idx.shape[1]
-    return tokens * heads * 4 * 2 + layer.outlier_idx.numel() * 8  # 4 bf16 channels, int64 indices
+    idx = layer.fitted.state_of(Outliers)["idx"]
+    tokens, heads = layer.stored_tokens() - layer.keys.shape[-2], idx.shape[1]
+    return tokens * heads * 4 * 2 + idx.numel() * 8  # 4 bf16 channels, int64 indices
 
 
 @pytest.mark.parametrize("spec, extra", [("bf16:smooth=0.5", _divisors), ("bf16:outliers=4", _kept_channels)])
@@ -93,11 +96,11 @@ def test_outlier_channels_are_chosen_once_from_the_prefill():
     k = torch.randn(1, 1, 32, 16)
     k[..., 5] *= 30
     layer.update(k, k)
-    assert layer.outlier_idx.tolist() == [[[5]]]
+    assert layer.fitted.state_of(Outliers)["idx"].tolist() == [[[5]]]
     later = torch.randn(1, 1, 1, 16)
     later[..., 7] = 500.0  # a decode token does not move them
     layer.update(later, later)
-    assert layer.outlier_idx.tolist() == [[[5]]]
+    assert layer.fitted.state_of(Outliers)["idx"].tolist() == [[[5]]]
     dk, _ = layer.dense()
     assert dk[0, 0, -1, 7] == 500.0  # ... and is still held (the full-precision tail)
 

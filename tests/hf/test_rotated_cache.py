@@ -7,9 +7,11 @@ import torch
 from transformers import DynamicCache
 
 from kvstrata.hf import CompressedCache
+from kvstrata.hf.held import cut, install
+from kvstrata.hf.layers import CompressedLayer
 from kvstrata.hf.reading import reading
 from kvstrata.methods import parse_method
-from kvstrata.place.records import pack_block, unpack_block
+from kvstrata.place.block_format import pack, unpack
 
 
 def test_rotated_bf16_tracks_dense_and_keeps_the_bytes(model, decode_logits):
@@ -58,10 +60,18 @@ def test_fused_reads_equal_the_reference_path(model, decode_logits, spec):
 
 
 def test_records_round_trip_through_the_rotation():
+    """A record holds the rotated codes as held, with the rotation: installed, they read as the
+    layer that wrote them did (and so as the original keys, to 4-bit precision)."""
     recipe = parse_method("nvfp4:rot=hadamard").full
     k, v = torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64)
-    kv = unpack_block(recipe, *pack_block(recipe, {0: (k, v)}), torch.float32)
-    plain = parse_method("nvfp4").full
-    ref = unpack_block(plain, *pack_block(plain, {0: (k, v)}), torch.float32)
-    err, ref_err = (kv[0][0] - k).abs().mean(), (ref[0][0] - k).abs().mean()
+    layer = CompressedLayer(recipe)
+    layer.update(k, v)
+    record = pack({0: cut(layer, 0, 32, encode_tail=True)}, 32)
+    back = CompressedLayer(recipe)
+    install(back, [unpack({0: recipe}, *record, 2, 64, torch.float32, 32)[0]], 32, k[..., :0, :])
+    for got, want in zip(back.dense(), layer.dense()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    plain = CompressedLayer(parse_method("nvfp4").full)
+    plain.update(k, v)
+    err, ref_err = (back.dense()[0] - k).abs().mean(), (plain.dense()[0] - k).abs().mean()
     assert err < 1.5 * ref_err  # decoded back to the original (unrotated) keys

@@ -6,7 +6,8 @@ tests/test_methods.py)."""
 import pytest
 import torch
 
-from kvstrata.hf.layers import CompressedLayer, smoothing_scale
+from kvstrata.codecs.smoothing import smoothing_scale
+from kvstrata.hf.layers import CompressedLayer
 from kvstrata.methods import parse_method
 
 

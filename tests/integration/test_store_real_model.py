@@ -8,7 +8,7 @@ import pytest
 
 from kvstrata.models import load
 from kvstrata.place import KVStore, StoreConfig
-from kvstrata.place.serving import PrefixServer
+from kvstrata.place.prefix_server import PrefixServer
 from kvstrata.text import natural_ids
 
 pytestmark = pytest.mark.integration

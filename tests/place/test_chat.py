@@ -4,7 +4,7 @@ from kvstrata.models.tiny import byte_tokenizer
 from kvstrata.place.chat import chat
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
-from kvstrata.place.serving import PrefixServer
+from kvstrata.place.prefix_server import PrefixServer
 from kvstrata.place.store import KVStore
 
 

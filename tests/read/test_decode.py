@@ -9,6 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvstrata.codecs import Center, Rotation, Smooth
+from kvstrata.codecs.transform import Fitted
 from kvstrata.hf import CompressedCache
 from kvstrata.hf import attention as attn
 from kvstrata.hf.run import forward
@@ -58,14 +60,15 @@ def _view(spec, shape, seed=0, lengths=(64, 37, 1)):
     b, hq, hk, d = shape
     g = torch.Generator().manual_seed(seed)
     rec = parse_method(spec).full
-    runs = []
+    runs, fitted = [], None
     for n in lengths:  # channel-grouped keys end on a ragged group where n is not a multiple
         k, v = torch.randn(b, hk, n, d, generator=g) * 3, torch.randn(b, hk, n, d, generator=g)
-        seg = encode_segment(rec, k, v)
+        fitted = fitted or Fitted.fit(rec.transforms, k)  # fitted on the first run, as a layer does
+        seg = encode_segment(rec, k, v, fitted)
         runs.append((seg.keys, seg.values, min(5, n - 1) if len(runs) == 0 else 0))
     tail = [torch.randn(b, hk, 2, d, generator=g) for _ in range(2)]
     q = torch.randn(b, hq, 1, d, generator=g)
-    return EncodedView(rec.codec, rec.key_axis == "channel", runs), tail, q
+    return EncodedView(rec.key_axis == "channel", runs, fitted=fitted), tail, q
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -84,10 +87,11 @@ def test_fused_equals_decode_then_attend(spec, shape):
 def test_centered_keys_attend_as_the_keys_they_decode_to(spec):
     """Codes holding K - m: the fused path shifts every score by q.m (a softcap bends that shift,
     so it is added back there) and equals attending over the decoded keys."""
-    view, (tk, tv), q = _view(spec, (1, 9, 3, 64))
-    view = replace(view, key_mean=torch.randn(1, 3, 1, 64) * 4, key_scale=(
-        torch.rand(1, 3, 1, 64) + 0.5 if "smooth" in spec else None), rotation=(
-        parse_method(spec).full.rotation(64)))
+    view, (tk, tv), q = _view(spec.split(":")[0] + (":r=0" if spec.startswith("int4") else ""), (1, 9, 3, 64))
+    pipeline = [(Center(True), {"mean": torch.randn(1, 3, 1, 64) * 4})]
+    pipeline += [(Smooth(0.5), {"scale": torch.rand(1, 3, 1, 64) + 0.5})] if "smooth" in spec else []
+    pipeline += [(Rotation("hadamard"), {})] if "rot" in spec else []
+    view = replace(view, fitted=Fitted(*map(tuple, zip(*pipeline))))
     ks, vs = view.dense()
     keys, values = torch.cat(ks + [tk], -2), torch.cat(vs + [tv], -2)
     for cap in (None, 5.0):

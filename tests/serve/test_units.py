@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstrata.names import Retention
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
@@ -12,7 +13,7 @@ from kvstrata.serve.auth import APIKeys, tenant_salt
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
 from kvstrata.serve.text import TextStream
-from kvstrata.serve.write_behind import RETENTION, WriteBehindStore
+from kvstrata.serve.write_behind import WriteBehindStore
 
 
 def utf8(ids):
@@ -72,14 +73,10 @@ def test_write_behind_reads_its_own_writes_and_keeps_retention_classes(tmp_path)
         got = store.get_global("a" * 64, ns)
         assert torch.equal(got[0]["k"], block["k"]) and got[1] == {"codec": "bf16"} and store.pending == 1
         assert store.get_global("a" * 64, other) is None  # bound to its namespace while pending too
-    token = RETENTION.set("in_memory")
-    try:
-        store.put_global("b" * 64, block, {"codec": "bf16"}, namespace=ns)
-    finally:
-        RETENTION.reset(token)
+    store.put_global("b" * 64, block, {"codec": "bf16"}, namespace=ns, retention=Retention.IN_MEMORY)
     assert store.flush() and store.pending == 0
     assert set(store.global_tier.keys()) == {"a" * 64}  # "in_memory" never reached the disk
-    assert store.memory.global_tier.keys() == ["b" * 64]
+    assert store.memory_tier.keys() == ["b" * 64]
     # read from RAM, promoted: "24h" asked
     assert torch.equal(store.get_global("b" * 64, ns)[0]["k"], block["k"])
     assert store.flush() and set(store.global_tier.keys()) == {"a" * 64, "b" * 64}
@@ -102,5 +99,5 @@ def test_write_behind_store_reads_its_records_after_a_restart(tmp_path):
         and again.global_tier.stats.corrupt == 0
     )
     assert again.get_swa("a" * 64, ns) is None  # the SWA pool lived in the old process's RAM
-    assert again.memory.secret == again.secret == first.secret
+    assert again.secret == first.secret
     again.close()

@@ -1,5 +1,7 @@
 """Serving flow on a tiny Gemma-3 (sliding window 16): hit, bounded replay, miss, faults."""
 
+import json
+
 import pytest
 import torch
 
@@ -7,8 +9,8 @@ from kvstrata.hf import CompressedCache
 from kvstrata.hf.run import forward
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
+from kvstrata.place.prefix_server import PrefixServer
 from kvstrata.place.redis_tier import RedisTier
-from kvstrata.place.serving import PrefixServer
 from kvstrata.place.store import KVStore
 
 IDS = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -102,20 +104,48 @@ def test_redis_down_still_answers(tiny_gemma, redis_server):
     assert store.global_tier.stats.errors > 0
 
 
+def _doc(meta: dict) -> dict:
+    return json.loads(meta["kv"])
+
+
+def _with_doc(t: dict, meta: dict, change) -> tuple[dict, dict]:
+    doc = _doc(meta)
+    change(doc)
+    return t, {**meta, "kv": json.dumps(doc)}
+
+
+def _segment(doc: dict, L: int) -> dict:
+    return doc["layers"][str(L)]["segments"][0]
+
+
 def _meta_mutations():
-    """Each takes (tensors, meta, L) with L a layer the record holds."""
+    """Each takes (tensors, meta, L) with L a layer the record holds (with at least one segment)."""
     return {
-        "wrong codec": lambda t, m, L: (t, {**m, "codec": "fp8"}),
-        "dtype not a dtype": lambda t, m, L: (t, {**m, f"{L}.k.dtype": "nn"}),
-        "dtype names a function": lambda t, m, L: (t, {**m, f"{L}.k.dtype": "zeros"}),
-        "shape not numbers": lambda t, m, L: (t, {**m, f"{L}.k.shape": "a,b"}),
-        "tokens not a number": lambda t, m, L: (t, {**m, f"{L}.tokens": "many"}),
-        "a layer missing": lambda t, m, L: ({k: v for k, v in t.items() if not k.startswith(f"{L}.")}, m),
+        "wrong codec": lambda t, m, L: _with_doc(t, m, lambda d: _segment(d, L)["k"].update(codec="fp8")),
+        "dtype not a dtype": lambda t, m, L: _with_doc(
+            t, m, lambda d: _segment(d, L)["k"].update(dtype="nn")),
+        "dtype names a function": lambda t, m, L: _with_doc(
+            t, m, lambda d: _segment(d, L)["v"].update(dtype="zeros")),
+        "shape not numbers": lambda t, m, L: _with_doc(
+            t, m, lambda d: _segment(d, L)["k"].update(shape=["a", "b", "c", "d"])),
+        "shape of another layout": lambda t, m, L: _with_doc(
+            t, m, lambda d: _segment(d, L)["k"].update(shape=_segment(d, L)["k"]["shape"][::-1])),
+        "tokens not a number": lambda t, m, L: _with_doc(t, m, lambda d: d.update(tokens="many")),
+        "length beyond the codes": lambda t, m, L: _with_doc(
+            t, m, lambda d: _segment(d, L).update(length=_segment(d, L)["length"] + 1)),
+        "skip past the length": lambda t, m, L: _with_doc(
+            t, m, lambda d: _segment(d, L).update(skip=_segment(d, L)["length"])),
+        "another format": lambda t, m, L: _with_doc(t, m, lambda d: d.update(format=0)),
+        "a layer missing": lambda t, m, L: _with_doc(
+            {k: v for k, v in t.items() if not k.startswith(f"L{L}.")}, m, lambda d: d["layers"].pop(str(L))),
         "a tensor cut short": lambda t, m, L: (
-            {k: v[..., :1] if k.startswith(f"{L}.k") else v for k, v in t.items()}, m,
+            {k: v[..., :1] if k.startswith(f"L{L}.s0.k") else v for k, v in t.items()}, m,
         ),
+        "a part missing": lambda t, m, L: ({k: v for k, v in t.items() if k != min(
+            k for k in t if k.startswith(f"L{L}.s0.v."))}, m),
+        "a tensor nobody claims": lambda t, m, L: ({**t, f"L{L}.s7.k.codes": torch.zeros(1)}, m),
         "another layer's index": lambda t, m, L: (
-            {k.replace(f"{L}.", "99.", 1) if k.startswith(f"{L}.") else k: v for k, v in t.items()}, m,
+            {k.replace(f"L{L}.", "L99.", 1) if k.startswith(f"L{L}.") else k: v for k, v in t.items()}, m,
         ),
         "no metadata": lambda t, m, L: (t, {}),
     }
@@ -133,7 +163,8 @@ def test_resigned_record_that_does_not_decode_is_a_counted_miss(server, tiny_gem
     tensors, meta = (server.store.get_global if klass == "global" else server.store.get_swa)(
         victim, server.ns
     )
-    tensors, meta = _meta_mutations()[mutation](tensors, meta, min(int(k.split(".")[0]) for k in tensors))
+    layer = min(int(L) for L, e in _doc(meta)["layers"].items() if e["segments"])
+    tensors, meta = _meta_mutations()[mutation](tensors, meta, layer)
     tier.put(
         victim,
         encode_record(
@@ -156,12 +187,32 @@ def test_full_attention_model_warm_turn_is_a_hit(tiny_llama, tmp_path):
     torch.testing.assert_close(warm.logits, cold.logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("spec", ["nvfp4;layers[0]=fp8", "nvfp4:smooth=0.5", "nvfp4:outliers=2",
-                                  "nvfp4:v=fp8", "nvfp4:sink=4", "nvfp4:center=1",
-                                  "streaming:keep=0.5+nvfp4"])
-def test_specs_the_store_cannot_encode_from_its_blocks_are_refused(tiny_gemma, tmp_path, spec):
+@pytest.mark.parametrize("spec", ["streaming:keep=0.5+nvfp4", "depth:g=2+nvfp4"])
+def test_specs_the_store_cannot_hold_are_refused(tiny_gemma, tmp_path, spec):
     store = make_store(tmp_path)
-    with pytest.raises(ValueError, match="not supported there|keep policies do not apply"):
+    with pytest.raises(ValueError, match="keep policies do not apply|does not hold them"):
         PrefixServer(tiny_gemma, store, spec, block_size=8)
     written = [p for p in (tmp_path / "g").rglob("*") if not p.name.startswith(".kvstrata")]
     assert not written
+
+
+KNOBS = ["nvfp4;layers[0]=fp8", "nvfp4:smooth=0.5", "nvfp4:outliers=2,ofmt=fp8", "nvfp4:v=fp8",
+         "nvfp4:sink=3", "nvfp4:center=1", "int4:keys=channel,group=16,r=0,v=nvfp4,sink=3,rot=hadamard",
+         "int2:group=16,r=4,center=1;sliding=int4:keys=channel,group=16,r=0,sink=2"]
+
+
+@pytest.mark.parametrize("spec", KNOBS)
+def test_every_knob_the_grammar_takes_is_stored_as_held(tiny_gemma, tiny_llama, tmp_path, spec):
+    """Records carry the codes and their transform state as the cache held them: a hit's cache reads
+    what the writer's did (key groups cut across blocks, sinks, side channels, a tail still in full
+    precision encoded once), so its logits are the miss's."""
+    for model in (tiny_gemma, tiny_llama):
+        s = PrefixServer(model, make_store(tmp_path / model.config.model_type), spec, block_size=8)
+        cold = s.serve(IDS)
+        warm = s.serve(IDS)
+        assert (cold.kind, warm.kind, warm.reused_tokens) == ("miss", "hit", 64)
+        tol = 1e-5 if ",r=4" not in spec else 0.3  # r=4: tail rows were encoded for the record
+        torch.testing.assert_close(warm.logits, cold.logits, atol=tol, rtol=0)
+        s.store.swa_tier.clear()
+        replay = s.serve(IDS)
+        assert replay.kind == ("replay" if model is tiny_gemma else "hit")

@@ -1,0 +1,157 @@
+"""Serving a prompt through the persistent store: longest global-KV prefix hit, SWA liveness,
+bounded replay.
+
+- hit:    global KV and the SWA state at the last hit block are installed; only the rest of the
+          prompt runs.
+- replay: global KV hit, SWA state gone: the last `n_win` tokens of the cached prefix run again,
+          full-attention layers reading the cached global KV (and not re-appending it), sliding
+          layers rebuilding their window from the replayed tokens -- never a full prefill.
+- miss:   full prefill.
+New complete blocks (global KV) and the SWA state at the last block boundary are written back.
+Records carry the codes as the cache held them (`kvstrata.place.block_format`): a write cuts
+them out without decoding (tokens still in the full-precision tail are encoded once), a hit
+installs them without re-encoding. A chain of records holds one transform state per layer: a
+record written under another (a prefix whose blocks came from different prompts) ends the hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
+from kvstrata.hf.held import Held, cut, install
+from kvstrata.hf.run import forward
+from kvstrata.methods import check_store, parse_method, render
+from kvstrata.names import Retention, ServeKind, TierClass
+from kvstrata.place.block_format import pack, unpack
+from kvstrata.place.prefix_keys import block_hashes, model_fingerprint, namespace
+from kvstrata.place.records import RecordError
+from kvstrata.place.store import Entry, KVStore
+
+
+def weights_digest(model) -> str:
+    """SHA-256 over every parameter's bytes, in name order (part of the store namespace)."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass(kw_only=True)
+class Served:
+    cache: CompressedCache
+    logits: torch.Tensor  # next-token logits after the prompt: [1, vocab]
+    kind: ServeKind
+    reused_tokens: int  # prompt tokens whose global KV came from the store
+    computed_tokens: int  # tokens run through the model
+    ttft_s: float  # lookup + load + compute, up to the first token's logits
+    write_s: float  # cutting new blocks out and handing them to the store (off the first-token path)
+
+
+class PrefixServer:
+    def __init__(
+        self, model, store: KVStore, method: str = "bf16", block_size: int = 256, n_win: int | None = None,
+        tenant: bytes = b"", fingerprint: str | None = None,
+    ):
+        self.model, self.store, self.block, self.tenant = model, store, block_size, tenant
+        self.spec = parse_method(method)
+        check_store(self.spec)
+        self.classes = layer_classes(model.config)
+        windows = [w for c, w in self.classes if c == "sliding"]
+        self.n_win = n_win if n_win is not None else 2 * max(windows, default=0)
+        if windows and self.n_win < max(windows):
+            raise ValueError(f"n_win must be >= the sliding window ({max(windows)}), got {self.n_win}")
+        self.dtype = next(model.parameters()).dtype
+        fp = fingerprint or model_fingerprint(model.config.to_dict(), weights_digest(model))
+        self.ns = namespace(fp, render(self.spec), str(self.dtype))
+        text = model.config.get_text_config()
+        self.vocab, self.kv_heads = text.vocab_size, text.num_key_value_heads
+        self.head_dim = head_dim(text)
+        self.layers = {kind: [i for i, (c, _) in enumerate(self.classes) if c == cls]
+                       for kind, cls in ((TierClass.GLOBAL, "full"), (TierClass.SWA, "sliding"))}
+
+    def _open(self, entry: Entry, klass: TierClass, tokens: int | None) -> dict[int, Held] | None:
+        """A verified record's per-layer held parts, or None: a record that does not unpack to what
+        these layers hold is counted and removed."""
+        recipes = {i: self.spec.recipe(self.classes[i][0], i) for i in self.layers[klass]}
+        try:
+            return unpack(recipes, *entry.open(), self.kv_heads, self.head_dim, self.dtype, tokens)
+        except RecordError:
+            entry.reject()
+            return None
+
+    def serve(self, ids: list[int], retention: Retention = Retention.PERSISTENT) -> Served:
+        """The prompt's cache and next-token logits; new blocks are written back under `retention`."""
+        if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab for t in ids):
+            raise ValueError(f"serve needs a non-empty list of token ids in [0, {self.vocab})")
+        retention = Retention(retention)
+        t0 = time.perf_counter()
+        usable = (len(ids) - 1) // self.block  # keep >= 1 token to compute the next-token logits
+        hashes = [h.hex() for h in block_hashes(ids, self.block, self.ns, self.tenant)][:usable]
+        sliding = self.layers[TierClass.SWA]
+        # a model without sliding layers has no SWA state to lose: its global KV is the whole state
+        found = self.store.lookup(hashes, self.ns, swa=bool(sliding), retention=retention)
+        records: list[dict[int, Held]] = []
+        chain: dict[int, Held] = {}  # per layer, the first record that holds codes: its state rules
+        for entry in found.entries:
+            held = self._open(entry, TierClass.GLOBAL, self.block)
+            if held is None or not all(held[i].agrees(chain.get(i, held[i])) for i in held):
+                break  # unusable, or encoded under another transform state than the chain's
+            chain.update({i: h for i, h in held.items() if i not in chain and h.fitted is not None})
+            records.append(held)
+        P = len(records) * self.block
+        cache = CompressedCache(self.model.config, self.spec)
+        start, kind = 0, ServeKind.MISS
+        if records:
+            # the SWA state belongs to the lookup's last block: a shorter usable chain replays
+            swa = found.swa if len(records) == found.global_blocks else None
+            windows = self._open(swa, TierClass.SWA, None) if swa is not None else None
+            live = windows is not None or not sliding
+            kind = ServeKind.HIT if live else ServeKind.REPLAY
+            start = P if live else max(0, P - self.n_win)
+            like = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
+            for i, layer in enumerate(cache.layers):
+                if i in sliding:
+                    install(layer, [windows[i]] if windows is not None else [], start, like)
+                else:
+                    install(layer, [r[i] for r in records], P, like)
+                    if kind is ServeKind.REPLAY:
+                        layer.start_replay(start)
+        Q = max(P, usable * self.block)
+        write_s, snapshot = 0.0, None
+        if start < Q:
+            forward(self.model, torch.tensor([ids[start:Q]]), cache)
+            t1 = time.perf_counter()
+            snapshot = self._snapshot(cache, P, Q)  # the state at the block boundary, before the remainder
+            write_s += time.perf_counter() - t1
+        logits = forward(self.model, torch.tensor([ids[Q:]]), cache)[:, -1]
+        ttft = time.perf_counter() - t0 - write_s
+        t1 = time.perf_counter()
+        if snapshot is not None:
+            blocks, windows = snapshot
+            for b, record in blocks.items():
+                self.store.put_global(hashes[b], *record, namespace=self.ns, retention=retention)
+            if windows is not None:
+                self.store.put_swa(hashes[Q // self.block - 1], *windows, namespace=self.ns)
+        write_s += time.perf_counter() - t1
+        return Served(cache=cache, logits=logits, kind=kind, reused_tokens=P,
+                      computed_tokens=len(ids) - start, ttft_s=ttft, write_s=write_s)
+
+    def _snapshot(self, cache: CompressedCache, P: int, Q: int):
+        """Records of the new blocks [P, Q) (global KV, cut from the full layers as held) and of
+        every sliding layer's window at Q (None without sliding layers)."""
+        full, sliding = self.layers[TierClass.GLOBAL], self.layers[TierClass.SWA]
+        blocks = {}
+        for b in range(P // self.block, Q // self.block):
+            lo, hi = b * self.block, (b + 1) * self.block
+            blocks[b] = pack({i: cut(cache.layers[i], lo, hi, encode_tail=True) for i in full}, self.block)
+        windows = None
+        if sliding:
+            windows = pack({i: cut(cache.layers[i], 0, cache.layers[i].stored_tokens(), encode_tail=False)
+                            for i in sliding})
+        return blocks, windows
