@@ -26,3 +26,14 @@ def tiny_gemma():
     from kvstrata.models.tiny import tiny_model
 
     return tiny_model("gemma3")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Tiny Gemma-3 with a chat template, tiny Llama without one, saved as model directories (what
+    `kvstrata serve --model DIR` loads)."""
+    from kvstrata.models.tiny import save_tiny
+
+    root = tmp_path_factory.mktemp("models")
+    return {"gemma": str(save_tiny(root / "tiny-gemma", "gemma3", chat_template=True)),
+            "llama": str(save_tiny(root / "tiny-llama", "llama"))}

@@ -1,36 +1,41 @@
 """The import graph keeps the layering the package layout shows: no cycles, no import from a higher
-stratum into a lower one, and imports at module top (outside the CLI) unless a comment says why."""
+stratum into a lower one, imports at module top (outside the CLI) unless a comment says why, and
+the library importing nothing from the lab (`lab/kvstrata_lab`: benchmark, tuner, evidence)."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvstrata"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvstrata"
+LAB = ROOT / "lab" / "kvstrata_lab"
 # Rank of each top-level part of the package: a module may import its own rank or lower ones only.
 RANKS = {
-    "registry": 0, "text": 0, "textfile": 0, "knobs": 0, "names": 0,  # leaves: no kvstrata imports
+    "registry": 0, "knobs": 0, "names": 0, "settings": 0, "user_files": 0,  # leaves: no kvstrata imports
     "codecs": 1, "keep": 1,  # store and keep strata
     "read": 2, "kvstrata": 2,  # read stratum; the package root registers codecs, keep and read
     "methods": 3,  # the spec grammar over every stratum's registered methods
     "hf": 4, "models": 4,  # transformers integration; real, tiny and V4.1 models
     "accounting": 5, "place": 5,  # bytes per layer from a cache; the place stratum (store, tiers)
-    "bench": 6, "serve": 6,  # experiments; the OpenAI-compatible server
+    "serve": 6,  # the OpenAI-compatible server
     "cli": 7,
 }  # fmt: skip
 # Where a kvstrata import may sit inside a function: the CLI imports a subcommand's modules when it
-# runs, so `kvstrata --help` does not load torch and transformers.
-LAZY_OK = ("kvstrata.cli",)
+# runs, so `kvstrata --help` does not load transformers.
+LAZY_OK = ("kvstrata.cli", "kvstrata_lab.cli")
 # Modules imported only where used because they need an optional dependency.
 OPTIONAL = {"kvstrata.read.kernels.triton_decode": "triton (GPU kernels)"}
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    base = LAB.parent if LAB in path.parents else PACKAGE.parent
+    parts = list(path.relative_to(base).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+LIBRARY = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+MODULES = LIBRARY | {module_name(p): p for p in LAB.rglob("*.py")}
 
 
 def stratum(module: str) -> str:
@@ -82,17 +87,33 @@ GRAPH = imports()
 
 
 def test_every_part_of_the_package_has_a_rank():
-    assert {stratum(m) for m in MODULES} <= set(RANKS), "give the new part of kvstrata a rank in RANKS"
+    assert {stratum(m) for m in LIBRARY} <= set(RANKS), "give the new part of kvstrata a rank in RANKS"
 
 
 def test_no_import_from_a_higher_stratum():
     upward = [
-        f"{MODULES[m].relative_to(PACKAGE.parent)}:{line} imports {t}"
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {t}"
         for m, edges in GRAPH.items()
+        if m in LIBRARY
         for t, line, _ in edges
         if RANKS[stratum(t)] > RANKS[stratum(m)]
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_the_library_imports_nothing_from_the_lab():
+    """Not at module top, not inside a function, not by any spelling the import statement allows."""
+    found = []
+    for module, path in LIBRARY.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                      if n.split(".")[0] == "kvstrata_lab"]
+        if "kvstrata_lab" in path.read_text().replace("`kvstrata_lab", "").replace("kvstrata-lab", ""):
+            found += [f"{path.relative_to(ROOT)} names kvstrata_lab (importlib or a string import?)"]
+    assert not found, "\n".join(found)
+    assert any(stratum(m) == "bench" for m in MODULES if m.startswith("kvstrata_lab"))  # the walk sees the lab
 
 
 def test_no_import_cycle():
@@ -120,7 +141,7 @@ def test_no_import_cycle():
 
 def test_own_modules_are_imported_at_module_top():
     lazy = [
-        f"{MODULES[m].relative_to(PACKAGE.parent)}:{line} imports {t} inside a function"
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {t} inside a function"
         for m, edges in GRAPH.items()
         if not m.startswith(LAZY_OK)
         for t, line, inside in edges
@@ -159,5 +180,5 @@ def test_imports_inside_functions_say_why():
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     near = lines[node.lineno - 2 : node.end_lineno]
                     if not any("#" in line for line in near):
-                        silent.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+                        silent.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not silent, "imports inside functions without a reason: " + ", ".join(sorted(set(silent)))

@@ -208,7 +208,7 @@ def test_serve(tmp_path):
     import httpx
     import openai
 
-    from kvstrata.serve.process import ServerProcess
+    from kvstrata_lab.serve_bench.process import ServerProcess
 
     prompt = ("There and back again. " * 200)[:4096]  # one token per byte
     with ServerProcess(

@@ -10,7 +10,7 @@ import pytest
 from kvstrata.cli import build_parser
 from kvstrata.cli.methods_doc import markdown
 from kvstrata.methods import METHODS
-from kvstrata.serve.process import ServerProcess
+from kvstrata_lab.serve_bench.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

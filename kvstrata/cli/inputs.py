@@ -8,6 +8,7 @@ prints it as one line and exits with code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 
 PROMPT_MAX_BYTES = 16 << 20
@@ -41,6 +42,12 @@ def float_in(lo: float, hi: float):
 SEED = int_in(0, 2**32 - 1)
 
 
+def field_default(cls, name: str):
+    """The default of a config dataclass's field (a subcommand's flag defaults to it, never to a copy)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def nonempty(text: str) -> str:
     """argparse type: text with something besides whitespace in it."""
     if not text.strip():
@@ -50,7 +57,7 @@ def nonempty(text: str) -> str:
 
 def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
     """`--prompt` or the UTF-8 text of `--prompt-file`; refused when empty."""
-    from kvstrata.textfile import read_text_file
+    from kvstrata.user_files import read_text_file
 
     flag = "--prompt-file" if prompt_file else "--prompt"
     text = read_text_file(prompt_file, flag, PROMPT_MAX_BYTES) if prompt_file else prompt

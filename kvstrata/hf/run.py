@@ -5,13 +5,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import inspect
+import resource
 from dataclasses import dataclass
 
 import torch
 
 from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
-from kvstrata.hf.reading import reading
+from kvstrata.hf.topk_attention import reading
 from kvstrata.methods import MethodSpec, parse_method
+from kvstrata.settings import GenerateConfig
 
 
 def cache_kwarg(model) -> str:
@@ -30,6 +32,11 @@ def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 1,
         out = model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
                     **{cache_kwarg(model): cache}, **extra)
     return out.logits
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def bf16_bytes_per_token(config, tokens: int) -> float:
@@ -52,9 +59,7 @@ class Generation:
     cache: CompressedCache | None = None  # what the generation left: encoded K/V, `nbytes()`
 
 
-#: prompt tokens prefilled per forward pass: bounds the prefill's transient full-precision K/V and
-#: attention workspace, which otherwise outweigh a compressed cache at long contexts
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = GenerateConfig.prefill_chunk
 
 
 def _malloc_trim():
@@ -79,7 +84,8 @@ def prefill_chunked(model, cache, ids: torch.Tensor, chunk: int = PREFILL_CHUNK)
         _TRIM(0)
 
 
-def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpec, max_new_tokens: int = 32,
+def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpec,
+             max_new_tokens: int = GenerateConfig.max_new_tokens,
              prefill_chunk: int | None = PREFILL_CHUNK) -> Generation:
     """Greedy `model.generate` over a `CompressedCache`; `prompt_ids: [1, tokens]`. All but the last
     prompt token are prefilled `prefill_chunk` at a time (None: in one pass). Methods with a keep

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvstrata.models.registry import KNOWN_MODELS, TINY_MODELS
+from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
 from kvstrata.models.tiny import save_tiny, tiny_config
 
 COMPLETE_MARK = "kvstrata-converted.ok"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kvstrata.place.secret import SecretError, parse_hex
-from kvstrata.textfile import read_text_file
+from kvstrata.user_files import read_text_file
 
 ENV_PREFIX = "KVSTRATA_STORE_"
 CONFIG_MAX_BYTES = 1 << 20

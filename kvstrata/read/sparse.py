@@ -8,7 +8,7 @@ top-k cached positions its schedule mode gives it; nothing else is read:
   U (Reuse)   -- takes the source Full layer's top-k as is.
 `schedule` repeats over the full-attention layers, e.g. `F1U3` = one Full then three Reuse.
 Prefill (more than one query) is dense and unchanged. This module decides what is read
-(`select`) and counts the bytes (index keys scanned plus entries gathered); `kvstrata.hf.reading`
+(`select`) and counts the bytes (index keys scanned plus entries gathered); `kvstrata.hf.topk_attention`
 hooks it into transformers' attention and reads the picked entries straight from the codes.
 """
 

@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 
 from kvstrata.serve.errors import APIError
-from kvstrata.textfile import read_text_file
+from kvstrata.user_files import read_text_file
 
 KEY_FILE_MAX_BYTES = 1 << 20
 

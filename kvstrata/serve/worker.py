@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.hf.reading import reading
 from kvstrata.hf.run import forward
+from kvstrata.hf.topk_attention import reading
 from kvstrata.names import FinishReason, Retention, ServeKind
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
-from kvstrata.serve.text import TextStream
+from kvstrata.serve.streaming import TextStream
 
 log = logging.getLogger("kvstrata.serve")
 

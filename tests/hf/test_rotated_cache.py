@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.held import cut, install
 from kvstrata.hf.layers import CompressedLayer
-from kvstrata.hf.reading import reading
+from kvstrata.hf.topk_attention import reading
 from kvstrata.methods import parse_method
 from kvstrata.place.block_format import pack, unpack
 

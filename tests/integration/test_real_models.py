@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvstrata.bench.passkey import passkey_prompt
 from kvstrata.hf.run import PREFILL_CHUNK, generate
 from kvstrata.models import KNOWN_MODELS, load
+from kvstrata_lab.bench.passkey import passkey_prompt
 
 pytestmark = pytest.mark.integration
 

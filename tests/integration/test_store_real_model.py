@@ -9,7 +9,7 @@ import pytest
 from kvstrata.models import load
 from kvstrata.place import KVStore, StoreConfig
 from kvstrata.place.prefix_server import PrefixServer
-from kvstrata.text import natural_ids
+from kvstrata_lab.bench.corpus import natural_ids
 
 pytestmark = pytest.mark.integration
 

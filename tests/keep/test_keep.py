@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from kvstrata.bench.protocol import build_cache, prefill
 from kvstrata.codecs import spec_of
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.attention import attention_implementation, set_attention_implementation
@@ -11,6 +10,7 @@ from kvstrata.hf.run import forward, generate
 from kvstrata.keep import TOVA, SnapKV, StreamingLLM, window_scores
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
+from kvstrata_lab.bench.protocol import build_cache, prefill
 
 
 def test_streaming_keeps_sinks_and_recent():

@@ -1,7 +1,7 @@
 import pytest
 
 from kvstrata.models import KNOWN_MODELS, ModelNotInstalled, load, resolve
-from kvstrata.models.registry import KnownModel
+from kvstrata.models.catalog import KnownModel
 from kvstrata.models.tiny import save_tiny
 
 

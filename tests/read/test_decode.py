@@ -185,7 +185,7 @@ def test_a_padding_mask_falls_back_to_the_reference(tiny_llama, spec):
                                   "bf16+topk:k=8,schedule=F1U1,indexer=exact"])
 def test_sparse_reads_from_codes_equal_gathering_from_dense(spec, tiny_llama, monkeypatch):
     from kvstrata.hf.layers import CompressedLayer
-    from kvstrata.hf.reading import reading
+    from kvstrata.hf.topk_attention import reading
 
     ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
     results = {}

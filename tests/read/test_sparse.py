@@ -5,8 +5,8 @@ import torch
 
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.layers import CompressedLayer
-from kvstrata.hf.reading import reading
 from kvstrata.hf.run import forward, generate
+from kvstrata.hf.topk_attention import reading
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
 from kvstrata.read import TopK
@@ -115,7 +115,7 @@ def test_bad_read_specs():
 
 
 def test_topk_overlap_matrix(tiny_llama):
-    from kvstrata.bench.topk_overlap import overlap_matrix
+    from kvstrata_lab.bench.topk_overlap import overlap_matrix
 
     layers, m = overlap_matrix(tiny_llama, IDS[:, :100], k=10, queries=4)
     assert layers == [0, 1, 2, 3] and m.shape == (4, 4)

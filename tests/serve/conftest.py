@@ -1,18 +1,8 @@
-"""Fixtures: tiny models saved as model directories (what `kvstrata serve --model DIR` loads),
-and the same models loaded in-process for reference answers. Helpers live in serve_helpers.py."""
+"""Fixtures: the tiny model directories (`model_dirs`, tests/conftest.py) loaded in-process for
+reference answers, and one shared server. Helpers live in serve_helpers.py."""
 
 import pytest
 from serve_helpers import start_server
-
-
-@pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory):
-    """Tiny Gemma-3 with a chat template, tiny Llama without one."""
-    from kvstrata.models.tiny import save_tiny
-
-    root = tmp_path_factory.mktemp("models")
-    return {"gemma": str(save_tiny(root / "tiny-gemma", "gemma3", chat_template=True)),
-            "llama": str(save_tiny(root / "tiny-llama", "llama"))}
 
 
 @pytest.fixture(scope="session")

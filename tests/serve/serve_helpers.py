@@ -5,7 +5,7 @@ from pathlib import Path
 import openai
 import torch
 
-from kvstrata.serve.process import ServerProcess
+from kvstrata_lab.serve_bench.process import ServerProcess
 
 BLOCK = 16  # tokens per block: small, so short prompts span several
 # replayed tokens on an SWA miss: covers the tiny Gemma-3's receptive field (3 sliding layers x 16)

@@ -12,7 +12,7 @@ from kvstrata.place.memory import MemoryTier
 from kvstrata.serve.auth import APIKeys, tenant_salt
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
-from kvstrata.serve.text import TextStream
+from kvstrata.serve.streaming import TextStream
 from kvstrata.serve.write_behind import WriteBehindStore
 
 

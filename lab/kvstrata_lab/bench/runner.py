@@ -1,0 +1,206 @@
+"""`kvstrata bench`: every method on the same model, length and task instances; one JSONL row per
+(model, length, task, instance, method); finished rows are skipped on rerun."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import uuid
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from kvstrata.hf.run import bf16_bytes_per_token
+from kvstrata.methods import parse_method
+from kvstrata.models import load
+from kvstrata.read.kernels import cpu
+from kvstrata_lab.bench import protocol
+from kvstrata_lab.bench.config import DEFAULT_METHODS, QUICK, BenchConfig  # noqa: F401 (the runner's settings)
+from kvstrata_lab.bench.peers import is_peer, parse_peer, qcache
+from kvstrata_lab.bench.peers.worker_client import run_kvpress
+from kvstrata_lab.bench.rows import done_keys
+from kvstrata_lab.bench.tasks import (
+    FIDELITY,
+    KNOWN,
+    LOOKALIKE,
+    REASONING,
+    RETRIEVAL,
+    check_fed,
+    make_instance,
+    score_answer,
+    tag_failure,
+)
+
+
+# Eviction budgets match the quantizers' bytes per token: fp8 ~0.53, nvfp4/mxfp4 ~0.28, int2 ~0.19 of bf16.
+def family(spec: str) -> str:
+    """Method family for colours and grouping: reference, quantization, eviction, eviction+quant."""
+    if is_peer(spec):
+        return "peer"
+    if spec == protocol.DYNAMIC:
+        return "reference"
+    m = parse_method(spec)
+    if m.full.read is not None:
+        return "sparse-read"
+    if m.full.depth is not None:
+        return "depth"
+    keep = any(r.keep is not None for r in m.recipes())
+    quant = any(r.codec.name != "bf16" or r.value_codec.name != "bf16" for r in m.recipes())
+    if keep:
+        return "eviction+quant" if quant else "eviction"
+    return "quantization" if quant else "reference"
+
+
+def run(cfg: BenchConfig, load_model=None) -> Path:
+    """Run every missing cell; returns the JSONL path."""
+
+    for t in cfg.tasks:
+        if t not in KNOWN:
+            raise ValueError(f"unknown task {t!r} (known: {', '.join(KNOWN)})")
+    peers = {p: parse_peer(p) for p in cfg.peers}
+    specs = {m: parse_method(m) for m in cfg.methods if m != protocol.DYNAMIC}
+    in_process = [*cfg.methods, *(p for p in cfg.peers if peers[p].project == "qcache")]
+    workers = [p for p in cfg.peers if peers[p].project == "kvpress"]
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    path = cfg.out / "results.jsonl"
+    done = done_keys(path)
+    # instance index outermost: an interrupted run still covers every model, length and task
+    cells = [(m, L, t, i) for i in range(cfg.n) for m, L in cfg.plan() for t in cfg.tasks]
+    todo = [c for c in cells if any((*c, meth) not in done for meth in in_process)]
+    _write_meta(cfg)
+    if todo:  # build (or load) the decode kernel now, so its one-time build is never timed as decode
+        cpu.load()
+    bar = tqdm(total=len(todo), desc="bench cells", unit="cell")
+    loaded: dict[str, tuple] = {}
+    with path.open("a") as f:
+        for model_name, length, task, index in todo:
+            if model_name not in loaded:
+                loaded[model_name] = (load_model or load)(model_name)
+            model, tok = loaded[model_name]
+            bar.set_postfix_str(f"{model_name} {length} {task}#{index}")
+            missing = [m for m in in_process if (model_name, length, task, index, m) not in done]
+            for row in run_cell(model, tok, model_name, length, task, index, missing, specs, cfg):
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+            bar.update(1)
+    bar.close()
+    if workers:
+        run_kvpress(cfg, cells, workers, done, path)
+    return path
+
+
+def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -> list[dict]:
+    inst = make_instance(task, tok, length, index, cfg.seed, cfg.haystack)
+    ids = tok(inst.context, return_tensors="pt").input_ids
+    # refuses a context of the wrong length
+    base = cell_base(model, model_name, length, inst, ids.shape[1], None)
+    pre = protocol.prefill(model, ids)
+    base["prefill_s"] = pre.seconds
+    rows = []
+    ref = None
+    if task in FIDELITY:
+        cont = tok(inst.continuation, add_special_tokens=False, return_tensors="pt").input_ids
+        ref = protocol.reference_logits(model, pre, cont)
+    for method in methods:
+        row = dict(base, method=method, family=family(method))
+        peer = parse_peer(method) if is_peer(method) else None
+        if peer is not None:
+            row["peer"] = qcache.describe(peer)
+        try:
+            if task in FIDELITY:
+                res = (
+                    qcache.fidelity(model, pre, peer, cont, ref)
+                    if peer
+                    else protocol.fidelity_dynamic(model, pre, cont, ref)
+                    if method == protocol.DYNAMIC
+                    else protocol.fidelity(model, pre, specs[method], cont, ref)
+                )
+                row.update(res, score=res["top1"], failure=None)
+            else:
+                answers = [
+                    qcache.ask(model, tok, pre, peer, q)
+                    if peer
+                    else protocol.ask_dynamic(model, tok, pre, q)
+                    if method == protocol.DYNAMIC
+                    else protocol.ask(model, tok, pre, specs[method], q)
+                    for q in inst.questions
+                ]
+                answered(row, inst, answers)
+        except Exception as exc:
+            if peer is None:
+                raise
+            rows.append(failed(row, exc))  # a peer failing on a model is a result, reported
+            continue
+        rows.append(costed(row, pre.tokens))
+    del pre
+    return rows
+
+
+def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float | None) -> dict:
+    """The fields every method's row of one (model, length, task, instance) cell shares; `tokens` is
+    the context as fed, refused (ValueError) unless it fits the nominal `length` (`check_fed`).
+    `run` names this run of the cell: only rows of the same run are timed against each other."""
+    check_fed(inst, length, tokens)
+    task = inst.task
+    return {
+        "model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
+        "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
+        "prefill_s": prefill_s, "run": uuid.uuid4().hex[:12],
+        "kind": ("retrieval" if task in RETRIEVAL + LOOKALIKE else "reasoning" if task in REASONING
+                 else "fidelity"),
+        "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
+        **{k: v for k, v in inst.meta.items() if k == "hops"},
+    }
+
+
+def answered(row: dict, inst, answers: list[dict]) -> dict:
+    """Score the answers to an instance's questions (main first, then probes) into `row`."""
+    scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
+    main = answers[0]
+    row.update(
+        {
+            k: main[k]
+            for k in (
+                "kv_bytes", "compress_s", "question_s", "decode_s_per_token", "bytes_read_per_step",
+                "dense_bytes_read_per_step", "kv_bytes_in_memory", "head_modes", "head_mode_map",
+            )
+            if k in main
+        }
+    )
+    row.update(
+        output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
+        probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], inst.task),
+    )
+    return row
+
+
+def failed(row: dict, exc: BaseException) -> dict:
+    """A peer's failure on this cell: how it failed, in place of scores."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    row.update(error=f"{type(exc).__name__}: {message}"[:400], score=None, failure=None)
+    return row
+
+
+def costed(row: dict, tokens: int) -> dict:
+    """Per-token bytes, compression against bf16 and peak memory, once `kv_bytes` is in `row`."""
+    row["kv_bytes_per_token"] = row["kv_bytes"] / tokens
+    row["compression"] = row["bf16_bytes_per_token"] / row["kv_bytes_per_token"]
+    row["peak_rss_mb"] = protocol.peak_rss_mb()
+    return row
+
+
+def _write_meta(cfg: BenchConfig) -> None:
+
+    meta = {
+        "plan": cfg.plan(), "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n, "seed": cfg.seed,
+        "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "python": platform.python_version(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path = cfg.out / "meta.json"
+    runs = json.loads(path.read_text()).get("runs", []) if path.exists() else []
+    path.write_text(json.dumps({"runs": runs + [meta]}, indent=1))

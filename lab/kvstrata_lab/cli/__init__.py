@@ -1,0 +1,14 @@
+"""The lab's `kvstrata` subcommands, added to the library's parser through the entry point
+`kvstrata.commands` (`lab/pyproject.toml`): the benchmark and its report, the tuner, the passkey
+check, and the evidence commands behind docs/results. Each module registers its own parsers."""
+
+from __future__ import annotations
+
+from kvstrata_lab.cli import bench, evidence, passkey, serve_bench, tune
+
+MODULES = (passkey, bench, tune, evidence, serve_bench)
+
+
+def register(sub) -> None:
+    for module in MODULES:
+        module.register(sub)

@@ -1,0 +1,236 @@
+"""`kvstrata serve-bench`: the server under agent load, measured from real `openai` clients.
+
+1. probe (one client, one long prompt): TTFT of a cold turn (miss), warm turns (hit) and a turn
+   after the SWA state expired (replay), and the HTTP + queueing overhead per request: the
+   client's TTFT minus the server's own.
+2. load, store on: `clients` threads each replay multi-turn agent conversations (streamed chat
+   completions, greedy) for at most `duration_s`; TTFT, kind, cached tokens per request.
+3. load, store off (`--no-store`): the same conversations, every turn a full prefill; then a
+   sample of phase 2's answers is re-asked of this server and compared (cached vs uncached greedy).
+Each phase runs its own server process on 127.0.0.1 with a fresh store.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from kvstrata.methods import parse_method
+from kvstrata.models import load_tokenizer, resolve
+from kvstrata_lab.serve_bench.agents import Scripts
+from kvstrata_lab.serve_bench.config import ServeBenchConfig
+from kvstrata_lab.serve_bench.process import ServerProcess
+from kvstrata_lab.serve_bench.report import summarize, write_outputs
+
+
+def _stream(oa, model: str, max_tokens: int, messages: list | None = None, prompt: str | None = None) -> dict:
+    """One streamed, greedy request; the client's TTFT is the time to the first chunk."""
+    import openai  # optional dependency (the serve extra)
+
+    kw = dict(
+        model=model, max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    t0 = time.perf_counter()
+    first, pieces, last = None, [], None
+    try:
+        chunks = (
+            oa.chat.completions.create(messages=messages, **kw)
+            if messages is not None
+            else oa.completions.create(prompt=prompt, **kw)
+        )
+        for chunk in chunks:
+            if chunk.choices:
+                first = first if first is not None else time.perf_counter() - t0
+                c = chunk.choices[0]
+                pieces.append((c.delta.content or "") if messages is not None else c.text)
+            last = chunk
+    except openai.APIError as e:
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}", "latency_s": time.perf_counter() - t0}
+    kv = getattr(last, "kvstrata", None) or {}
+    u = last.usage
+    return {
+        "error": None, "ttft_s": first, "latency_s": time.perf_counter() - t0, "text": "".join(pieces),
+        "kind": kv.get("kind"), "server_ttft_s": kv.get("ttft_s"), "queue_s": kv.get("queue_s"),
+        "prompt_tokens": u.prompt_tokens, "cached_tokens": u.prompt_tokens_details.cached_tokens,
+        "completion_tokens": u.completion_tokens,
+    }
+
+
+class _Load:
+    """Clients replaying agent conversations against one server until done or out of time."""
+
+    def __init__(self, cfg: ServeBenchConfig, scripts: Scripts, chat: bool):
+        self.cfg, self.scripts, self.chat = cfg, scripts, chat
+        self.records: list[dict] = []
+        self.asked: list[tuple[dict, dict]] = []  # (request, record), for the answer check
+        self._lock = threading.Lock()
+
+    def run(self, server: ServerProcess) -> float:
+        end = time.monotonic() + self.cfg.duration_s
+        threads = [
+            threading.Thread(target=self._client, args=(server, c, end)) for c in range(self.cfg.clients)
+        ]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    def _client(self, server: ServerProcess, cid: int, end: float) -> None:
+        import openai  # optional dependency (the serve extra)
+
+        oa = openai.OpenAI(
+            base_url=server.base_url, api_key="none", max_retries=0, timeout=self.cfg.duration_s + 600
+        )
+        for conv in range(self.cfg.conversations):
+            script, answers = self.scripts.script(cid, conv), []
+            messages = [{"role": "system", "content": script.system}]
+            for turn, text in enumerate(script.turns):
+                if time.monotonic() >= end:
+                    return
+                messages.append({"role": "user", "content": text})
+                request = (
+                    {"messages": list(messages)}
+                    if self.chat
+                    else {"prompt": script.transcript(answers, turn)}
+                )
+                rec = _stream(oa, server.name, self.cfg.max_tokens, **request)
+                rec.update(client=cid, conversation=conv, turn=turn + 1)
+                with self._lock:
+                    self.records.append(rec)
+                    if not rec["error"]:
+                        self.asked.append((request, rec))
+                if rec["error"]:
+                    break  # this conversation cannot go on without its answer
+                answers.append(rec["text"])
+                messages.append({"role": "assistant", "content": rec["text"]})
+
+
+def _server(
+    cfg: ServeBenchConfig, root: Path, name: str, *args: str, env: dict | None = None
+) -> ServerProcess:
+    env = {
+        "KVSTRATA_STORE_ROOT": str(root / name), "KVSTRATA_STORE_BLOCK_SIZE": str(cfg.block_size),
+        **(env or {}),
+    }
+    return ServerProcess(
+        cfg.model, "--method", cfg.method, "--max-active", str(cfg.clients), "--max-queue",
+        str(cfg.clients), "--request-timeout", str(cfg.duration_s + 600), *args, env=env,
+        log_path=root / f"{name}.log", name=cfg.model,
+    )
+
+
+def _probe(cfg: ServeBenchConfig, scripts: Scripts, root: Path) -> dict:
+    """Single client, one long prompt: cold, warm x N (each turn extends the last), then a replay
+    after the SWA TTL."""
+    import openai  # optional dependency (the serve extra)
+
+    doc = scripts.probe_document(cfg.probe_tokens)
+    with _server(
+        cfg, root, "probe", env={"KVSTRATA_STORE_SWA_TTL_SECONDS": str(cfg.probe_swa_ttl_s)}
+    ) as server:
+        oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=3600)
+        rows, prompt = [], doc
+        for i in range(cfg.probe_warm_turns + 2):  # one conversation: every turn extends the last
+            if i == cfg.probe_warm_turns + 1:
+                time.sleep(cfg.probe_swa_ttl_s + 1)  # the SWA state expires: the last turn is a replay
+            rows.append(
+                dict(
+                    _stream(oa, server.name, 1, prompt=prompt), turn=i + 1,
+                    phase="cold" if i == 0 else "replay" if i > cfg.probe_warm_turns else "warm",
+                )
+            )
+            prompt += f"\nQuestion {i + 1}: what comes next?"
+    for r in rows:
+        r.pop("text", None)
+    return {"rows": rows, "swa_ttl_s": cfg.probe_swa_ttl_s}
+
+
+def _check(cfg: ServeBenchConfig, load: _Load, server: ServerProcess) -> dict:
+    """Re-ask a spread sample of the store-on run's later turns of the store-off server; compare."""
+    import openai  # optional dependency (the serve extra)
+
+    later = [(q, r) for q, r in load.asked if r["turn"] > 1]
+    step = max(1, len(later) // max(cfg.check, 1))
+    sample = later[::step][: cfg.check]
+    oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=3600)
+    rows = []
+    for request, rec in sample:
+        again = _stream(oa, server.name, cfg.max_tokens, **request)
+        rows.append(
+            {
+                "client": rec["client"], "turn": rec["turn"], "kind": rec["kind"],
+                "same": again.get("text") == rec["text"], "error": again["error"],
+            }
+        )
+    return {"checked": len(rows), "differ": sum(not r["same"] for r in rows), "rows": rows}
+
+
+TURN_OVERHEAD = 128  # tokens a turn adds beyond its tool text and answer (question, role markers), generously
+
+
+def check_fits(cfg: ServeBenchConfig, model_dir: Path) -> None:
+    """Refuse, before any server starts, conversations or a probe that would outgrow the model's context."""
+
+    text = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config()
+    limit = int(getattr(text, "max_position_embeddings", 0) or 0) or 1 << 62
+    longest = cfg.context + (cfg.turns // 2) * cfg.tool_tokens + cfg.turns * (cfg.max_tokens + TURN_OVERHEAD)
+    if longest > limit:
+        raise ValueError(
+            f"--context {cfg.context:,} + --turns {cfg.turns} x (--max-tokens {cfg.max_tokens:,} + "
+            f"{TURN_OVERHEAD}) + {cfg.turns // 2} x --tool-tokens {cfg.tool_tokens:,}: a conversation grows "
+            f"to about {longest:,} tokens, past the model's context of {limit:,}"
+        )
+    probe = cfg.probe_tokens + (cfg.probe_warm_turns + 2) * TURN_OVERHEAD
+    if cfg.probe_tokens and probe > limit:
+        raise ValueError(
+            f"--probe-tokens {cfg.probe_tokens:,}: the probe grows to {probe:,} tokens, past the model's "
+            f"context of {limit:,}"
+        )
+
+
+def run(cfg: ServeBenchConfig) -> dict:
+
+    parse_method(cfg.method)  # refused here, not by the first server's exit
+    check_fits(cfg, resolve(cfg.model))
+    tok = load_tokenizer(cfg.model)
+    scripts = Scripts(tok, cfg.context, cfg.turns, cfg.tool_tokens, cfg.seed)
+    chat = bool(getattr(tok, "chat_template", None))
+    root = Path(tempfile.mkdtemp(prefix="kvstrata-serve-bench-"))
+    result: dict = {"config": asdict(cfg), "endpoint": "chat" if chat else "completions"}
+    try:
+        if cfg.probe_tokens:
+            result["probe"] = _probe(cfg, scripts, root)
+        phases = {}
+        for name, args in (("store", ()), ("no_store", ("--no-store",))):
+            load = _Load(cfg, scripts, chat)
+            with _server(cfg, root, name, *args) as server:
+                wall = load.run(server)
+                if name == "no_store" and cfg.check:
+                    result["check"] = _check(cfg, phases["store"]["load"], server)
+            phases[name] = {"load": load, "wall_s": wall}
+        result["phases"] = {
+            n: {
+                "wall_s": p["wall_s"],
+                "records": [{k: v for k, v in r.items() if k != "text"} for r in p["load"].records],
+            }
+            for n, p in phases.items()
+        }
+    except BaseException:  # keep the servers' logs for the post-mortem
+        logs = Path(cfg.out) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in root.glob("*.log"):
+            shutil.copy(log, logs / log.name)
+        raise
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result["summary"] = summarize(result)
+    write_outputs(result, Path(cfg.out))
+    return result

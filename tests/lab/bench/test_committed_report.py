@@ -1,0 +1,22 @@
+"""`kvstrata report` over the committed rows writes exactly the committed report: every file it
+writes (tables, headline, HTML, plots) byte for byte. A refactor that changes a number, a
+rounding or a plot shows up here."""
+
+import shutil
+from pathlib import Path
+
+from kvstrata_lab.bench.report import write_report
+
+RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
+
+
+def test_the_committed_report_is_what_the_report_command_writes(tmp_path):
+    out = tmp_path / "results"
+    shutil.copytree(RESULTS, out)
+    written = [p for p in out.iterdir() if p.suffix in (".md", ".html", ".png")]
+    assert {"report.md", "headline.md", "report.html"} <= {p.name for p in written}
+    for p in written:  # the report's own files go, so each must be written anew
+        p.unlink()
+    write_report(out)
+    changed = [p.name for p in written if not p.exists() or p.read_bytes() != (RESULTS / p.name).read_bytes()]
+    assert changed == [], f"kvstrata report no longer writes the committed {changed}"

@@ -1,0 +1,82 @@
+"""A tiny-model end-to-end bench run: rows, resumability, costs and the report."""
+
+import json
+
+import pytest
+
+from kvstrata.models.tiny import byte_tokenizer
+from kvstrata_lab.bench.report import write_report
+from kvstrata_lab.bench.runner import BenchConfig, family, run
+
+METHODS = ("dynamic", "bf16", "nvfp4", "int2:r=8,group=8", "streaming:keep=0.5", "snapkv:keep=0.3+fp8")
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory, tiny_gemma):
+    out = tmp_path_factory.mktemp("bench")
+    cfg = BenchConfig(models=("tiny-gemma",), lengths=(448,), n=2, methods=METHODS, out=out)
+    run(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
+    return out, cfg
+
+
+def rows(out):
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_one_row_per_cell_and_method(bench_dir):
+    out, cfg = bench_dir
+    rs = rows(out)
+    assert len(rs) == len(cfg.tasks) * cfg.n * len(METHODS)
+    for r in rs:
+        assert r["kv_bytes"] > 0 and r["prefill_s"] > 0 and r["peak_rss_mb"] > 0
+        assert r["compression"] == pytest.approx(r["bf16_bytes_per_token"] / r["kv_bytes_per_token"])
+        if r["task"] == "fidelity":
+            assert 0 <= r["top1"] <= 1 and r["kl"] >= -1e-6
+        else:
+            assert r["failure"] in (None, "retrieval", "reasoning")
+    bf16 = [r for r in rs if r["method"] == "bf16" and r["task"] == "fidelity"]
+    assert all(r["kl"] < 1e-3 for r in bf16)
+    # the stock row: transformers' DynamicCache at the model's dtype (float32 here: 2x bf16's bytes)
+    dyn = [r for r in rs if r["method"] == "dynamic"]
+    assert all(r["compression"] == pytest.approx(0.5) for r in dyn)
+    assert all(r["kl"] == 0 and r["top1"] == 1 for r in dyn if r["task"] == "fidelity")
+    assert all(r["decode_s_per_token"] > 0 for r in dyn if r["task"] == "single")
+    evict = [r for r in rs if r["method"] == "streaming:keep=0.5" and r["task"] == "single"]
+    ref = [r for r in rs if r["method"] == "bf16" and r["task"] == "single"]
+    assert evict[0]["kv_bytes"] < ref[0]["kv_bytes"]
+
+
+def test_rows_of_one_run_of_a_cell_share_a_run_id_and_other_cells_do_not(bench_dir):
+    out, cfg = bench_dir
+    by_cell = {}
+    for r in rows(out):
+        by_cell.setdefault((r["task"], r["index"]), set()).add(r["run"])
+    assert all(len(ids) == 1 for ids in by_cell.values())  # one prefill: every method's timing pairs
+    assert len(set().union(*by_cell.values())) == len(by_cell)  # never across cells
+
+
+def test_resume_skips_finished_cells(bench_dir, tiny_gemma):
+    out, cfg = bench_dir
+    before = (out / "results.jsonl").read_text()
+    calls = []
+    run(cfg, load_model=lambda name: calls.append(name) or (tiny_gemma, byte_tokenizer()))
+    assert (out / "results.jsonl").read_text() == before and calls == []
+
+
+def test_report_outputs(bench_dir):
+    out, _ = bench_dir
+    md = write_report(out).read_text()
+    assert "| `nvfp4` |" in md and "tiny-gemma" in md
+    assert "## Quality per byte" in md and (out / "frontier_tiny-gemma_448.png").exists()
+    assert "## Decode speed" in md and "| `dynamic` |" in md
+    assert (out / "plot_tiny-gemma_448.png").stat().st_size > 1000
+    html = (out / "report.html").read_text()
+    assert html.startswith("<!doctype html>") and "data:image/png;base64," in html
+
+
+def test_families():
+    assert family("bf16") == "reference" and family("dynamic") == "reference"
+    assert family("int2") == "quantization"
+    assert family("snapkv:keep=0.3") == "eviction"
+    assert family("streaming:keep=0.3+nvfp4") == "eviction+quant"
+    assert family("depth:g=4+nvfp4") == "depth"
