@@ -77,9 +77,10 @@ def test_readme_is_a_front_door():
     text = (ROOT / "README.md").read_text()
     lines = text.splitlines()
     assert len(lines) <= 250
-    assert [i + 1 for i, line in enumerate(lines) if len(line) > 200] == [], "README lines over 200 characters"
+    assert [i + 1 for i, line in enumerate(lines) if len(line) > 200] == [], "README lines over 200 chars"
     headings = [line for line in lines if line.startswith("## ")]
-    assert headings[:2] == ["## Two commands", "## Which spec should I use"]  # the spec table on the first screen
+    # the spec table on the first screen, right after the two commands
+    assert headings[:2] == ["## Two commands", "## Which spec should I use"]
     table = text[text.index("## Which spec should I use"):text.index("## Python tour")]
     assert len([line for line in table.splitlines() if line.startswith("| `")]) >= 5
     assert text.index("```python") < text.index("## Results")  # code before tables

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -19,3 +19,13 @@ class Codec(Protocol):
     def encode(self, x: torch.Tensor) -> QTensor: ...
 
     def decode(self, q: QTensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SharedScale(Protocol):
+    """A codec with a per-tensor scale that later rows can be encoded under (NVFP4): a segment with
+    spare rows takes one with headroom, and an append checks its rows fit it."""
+
+    def scale_for(self, amax: torch.Tensor) -> torch.Tensor: ...
+
+    def fits(self, x: torch.Tensor, scale: torch.Tensor) -> bool: ...

@@ -18,7 +18,8 @@ class BF16:
 
     def encode(self, x: torch.Tensor) -> QTensor:
         check_finite(x, self.name)
-        return QTensor(self, tuple(x.shape), x.dtype, {"values": x.to(torch.bfloat16).contiguous()})
+        return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype,
+                       parts={"values": x.to(torch.bfloat16).contiguous()})
 
     def decode(self, q: QTensor) -> torch.Tensor:
         return q.parts["values"].float()

@@ -32,7 +32,8 @@ class FP8:
         # an all-zero block, or one so small its scale underflows float32, encodes as zeros under scale 1
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = (b / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
-        return QTensor(self, tuple(x.shape), x.dtype, {"codes": codes, "scales": scale})
+        return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype,
+                       parts={"codes": codes, "scales": scale})
 
     def decode(self, q: QTensor) -> torch.Tensor:
         values = q.parts["codes"].view(torch.float8_e4m3fn).float() * q.parts["scales"][..., None]

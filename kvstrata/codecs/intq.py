@@ -82,7 +82,7 @@ class _IntCodec:
             lo, scale = fit_lsq(b, lo, scale, qmax)
         codes = pack_bits(_codes(b, lo, scale, qmax), self.bits)
         parts = {"codes": codes, "scales": scale[..., 0].half(), "mins": lo[..., 0].half()}
-        return QTensor(self, tuple(x.shape), x.dtype, parts)
+        return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype, parts=parts)
 
     def decode(self, q: QTensor) -> torch.Tensor:
         codes = unpack_bits(q.parts["codes"], self.bits).float()

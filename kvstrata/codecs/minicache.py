@@ -77,6 +77,9 @@ def _decode(part: dict, j: int, dtype) -> torch.Tensor:
 
 
 class MergedBlock:
+    #: merged layers have no per-layer codes a decode step could read as they are (`DepthBlock.layers`)
+    layers = None
+
     def __init__(self, tokens: int, parts: list[dict]):
         self.tokens, self.parts = tokens, parts
 

@@ -40,7 +40,7 @@ class MXFP4:
         exp = torch.where(amax > 0, exp, torch.full_like(exp, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
         codes = encode_e2m1(b / pow2(exp)[..., None])  # |x| in (6, 8) * 2^exp saturates to 6
         parts = {"codes": pack_bits(codes, 4), "scales": (exp + E8M0_BIAS).to(torch.uint8)}
-        return QTensor(self, tuple(x.shape), x.dtype, parts)
+        return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype, parts=parts)
 
     def decode(self, q: QTensor) -> torch.Tensor:
         scale = pow2(q.parts["scales"].to(torch.int32) - E8M0_BIAS)

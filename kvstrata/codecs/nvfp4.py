@@ -66,7 +66,7 @@ class NVFP4:
         parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
         if self.tensor_scale:
             parts["tensor_scale"] = ts.reshape(1)
-        return QTensor(self, tuple(x.shape), x.dtype, parts)
+        return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype, parts=parts)
 
     def round_trip(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         """What `x` reads back as, float32: `decode(encode(x, scale))` without packing the codes."""

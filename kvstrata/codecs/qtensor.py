@@ -20,7 +20,7 @@ def held_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-@dataclass
+@dataclass(kw_only=True)
 class QTensor:
     """A quantized tensor.
 

@@ -38,7 +38,7 @@ def per_query_head(t: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return t.repeat_interleave(query.shape[1] // t.shape[1], 1)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Attend:
     """One decode step on its way into the codes' space: `query: [b, hq, 1, d]`, the full-precision
     tail `tail_k, tail_v: [b, hk, t, d]`, `bias: [b, hq, n]` added to the scores before scaling

@@ -72,11 +72,11 @@ class DepthLayer(CompressedLayer):
     def reads_views(self) -> bool:
         """Decode attention reads the codes when every block keeps every head exact (per-layer
         QTensors); shared / residual heads are reconstructed and attended densely."""
-        return all(getattr(block, "layers", None) is not None for block in self.group.blocks)
+        return all(block.layers is not None for block in self.group.blocks)
 
     def view(self) -> EncodedView:
         runs = [(*block.layers[self.index], 0) for block in self.group.blocks]
-        return EncodedView(False, runs, self.generation)
+        return EncodedView(key_channel=False, runs=runs, generation=self.generation)
 
     def __init__(self, recipe: StoreRecipe, index: int):
         super().__init__(recipe)

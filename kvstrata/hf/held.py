@@ -71,9 +71,9 @@ def _own(t: torch.Tensor) -> torch.Tensor:
 
 
 def _owned(seg: Segment) -> Segment:
-    keys, values = (QTensor(q.codec, q.shape, q.dtype, {n: _own(t) for n, t in q.parts.items()})
-                    for q in (seg.keys, seg.values))
-    return Segment(keys, values, seg.length, seg.skip, fitted=seg.fitted)
+    keys, values = (QTensor(codec=q.codec, shape=q.shape, dtype=q.dtype,
+                            parts={n: _own(t) for n, t in q.parts.items()}) for q in (seg.keys, seg.values))
+    return Segment(keys=keys, values=values, length=seg.length, skip=seg.skip, fitted=seg.fitted)
 
 
 def install(layer: CompressedLayer, parts: list[Held], seen: int, like: torch.Tensor) -> None:

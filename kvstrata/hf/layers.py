@@ -73,7 +73,8 @@ class CompressedLayer(CacheLayerMixin):
         """The sink and encoded segments as they are now (later appends do not change it)."""
         runs = [(seg.keys, seg.values, seg.skip) for seg in self.segments]
         channel = self.recipe.key_axis == "channel"
-        return EncodedView(channel, runs, self.generation, self.fitted or IDENTITY, self.sink)
+        return EncodedView(key_channel=channel, runs=runs, generation=self.generation,
+                           fitted=self.fitted or IDENTITY, sink=self.sink)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new K/V; returns what attention reads: everything held + the new tokens."""

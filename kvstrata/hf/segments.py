@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstrata.codecs import QTensor
+from kvstrata.codecs.base import SharedScale
 from kvstrata.codecs.transform import IDENTITY, Fitted
 from kvstrata.methods import StoreRecipe
 from kvstrata.read.decode import token_rows
@@ -26,7 +27,7 @@ COMPACT_ROWS = 64
 HEADROOM = 4.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Segment:
     """`length` encoded tokens, of which the first `skip` are hidden (dropped by a sliding window
     but still held until enough of them can be freed at once; keys grouped per channel are freed
@@ -73,11 +74,11 @@ def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor
     kt, values, side = _prepare(recipe, fitted, keys, values)
     encoded = []
     for codec, x in ((recipe.codec, kt), (recipe.value_codec, values)):
-        if reserve and hasattr(codec, "fits"):
+        if reserve and isinstance(codec, SharedScale):
             encoded.append(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)))
         else:
             encoded.append(codec.encode(x))
-    seg = Segment(*encoded, keys.shape[-2], fitted=fitted)
+    seg = Segment(keys=encoded[0], values=encoded[1], length=keys.shape[-2], fitted=fitted)
     seg.keys.parts.update(side)
     if reserve:
         _reserve(recipe, seg, reserve)
@@ -164,7 +165,7 @@ def _views(recipe: StoreRecipe, seg: Segment) -> None:
         }
         shape = list(q.shape)
         shape[-1 if (name == "keys" and kax == 3) else -2] = seg.length
-        setattr(seg, name, QTensor(q.codec, tuple(shape), q.dtype, parts))
+        setattr(seg, name, QTensor(codec=q.codec, shape=tuple(shape), dtype=q.dtype, parts=parts))
 
 
 def decode_segment(
@@ -190,10 +191,11 @@ def drop_front(recipe: StoreRecipe, seg: Segment, n: int, compact: int = 0) -> S
     group = recipe.key_group
     free = (skip // group) * group
     if free == 0 or free < compact:
-        return Segment(seg.keys, seg.values, seg.length, skip, seg.buffers, seg.fitted)
+        return Segment(keys=seg.keys, values=seg.values, length=seg.length, skip=skip, buffers=seg.buffers,
+                       fitted=seg.fitted)
     keys = _narrow(seg.keys, -1 if recipe.key_axis == "channel" else -2, free, group)
     values = _narrow(seg.values, -2, free, 1)
-    return Segment(keys, values, seg.length - free, skip - free, fitted=seg.fitted)
+    return Segment(keys=keys, values=values, length=seg.length - free, skip=skip - free, fitted=seg.fitted)
 
 
 def _narrow(q: QTensor, token_dim: int, start: int, group: int) -> QTensor:
@@ -214,14 +216,14 @@ def _narrow(q: QTensor, token_dim: int, start: int, group: int) -> QTensor:
             parts[name] = t.narrow(ndim - 1, blocks, t.shape[ndim - 1] - blocks).clone()
     shape = list(q.shape)
     shape[token_dim] -= start
-    return QTensor(q.codec, tuple(shape), q.dtype, parts)
+    return QTensor(codec=q.codec, shape=tuple(shape), dtype=q.dtype, parts=parts)
 
 
 def _blocks(q: QTensor, first: int, count: int, tokens: int) -> QTensor:
     """Token blocks [first, first + count) of channel-grouped keys `[b, h, d, tokens]` (parts
     `[b, h, d, blocks, ...]`), `tokens` of them in use; views, no copy."""
     parts = {name: (t if t.dim() < 3 else t.narrow(3, first, count)) for name, t in q.parts.items()}
-    return QTensor(q.codec, (*q.shape[:3], tokens), q.dtype, parts)
+    return QTensor(codec=q.codec, shape=(*q.shape[:3], tokens), dtype=q.dtype, parts=parts)
 
 
 def cut_segment(recipe: StoreRecipe, seg: Segment, a: int, b: int) -> Segment:
@@ -231,11 +233,12 @@ def cut_segment(recipe: StoreRecipe, seg: Segment, a: int, b: int) -> Segment:
     start, stop = seg.skip + a, seg.skip + b
     if recipe.key_axis != "channel":
         rows = (token_rows(seg.keys, start, stop), token_rows(seg.values, start, stop))
-        return Segment(*rows, b - a, fitted=seg.fitted)
+        return Segment(keys=rows[0], values=rows[1], length=b - a, fitted=seg.fitted)
     g = recipe.key_group
     first = start // g * g
     keys = _blocks(seg.keys, first // g, -(-stop // g) - first // g, stop - first)
-    return Segment(keys, token_rows(seg.values, first, stop), stop - first, start - first, fitted=seg.fitted)
+    return Segment(keys=keys, values=token_rows(seg.values, first, stop), length=stop - first,
+                   skip=start - first, fitted=seg.fitted)
 
 
 def _overlap(recipe: StoreRecipe, a: Segment, b: Segment) -> int | None:
@@ -272,7 +275,7 @@ def _cat(q: QTensor, more: list[QTensor], axis: int, drop: list[int], tokens: in
     parts = {name: (t if t.dim() < 3 else torch.cat([t] + rest(name), axis)) for name, t in q.parts.items()}
     shape = list(q.shape)
     shape[token_dim] = tokens
-    return QTensor(q.codec, tuple(shape), q.dtype, parts)
+    return QTensor(codec=q.codec, shape=tuple(shape), dtype=q.dtype, parts=parts)
 
 
 def join_segments(recipe: StoreRecipe, segs: list[Segment]) -> list[Segment]:
@@ -299,5 +302,5 @@ def join_segments(recipe: StoreRecipe, segs: list[Segment]) -> list[Segment]:
         else:
             keys = _cat(head.keys, [s.keys for s in more], 2, shared, length, -2)
         values = _cat(head.values, [s.values for s in more], 2, shared, length, -2)
-        joined.append(Segment(keys, values, length, head.skip, fitted=head.fitted))
+        joined.append(Segment(keys=keys, values=values, length=length, skip=head.skip, fitted=head.fitted))
     return joined

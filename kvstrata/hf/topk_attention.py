@@ -58,7 +58,7 @@ def sparse_reading(model, cache, cfg: TopK):
     """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
     full = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     modes = dict(zip(full, cfg.modes(len(full))))
-    state = ReadState(cfg, modes, list(cache.layers), head_dim(model.config))
+    state = ReadState(cfg=cfg, modes=modes, layers=list(cache.layers), head_dim=head_dim(model.config))
     with hooked(model, NAME, _STATE, state):
         yield state
 

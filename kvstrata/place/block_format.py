@@ -88,7 +88,7 @@ def _qtensor(codec, meta: dict, parts: dict, h: int, d: int, channel: bool, dtyp
         raise RecordError(f"{where}: shape {shape} does not fit [1, {h}, tokens, {d}]")
     lead = shape[:3]
     _check_parts(parts, _parts(codec, shape[-1]), lead, where)
-    return QTensor(codec, shape, dtype, parts)
+    return QTensor(codec=codec, shape=shape, dtype=dtype, parts=parts)
 
 
 def _raw(tensors: dict, key: str, h: int, d: int, dtype, where: str):
@@ -152,7 +152,7 @@ def _layer(recipe: StoreRecipe, entry: dict, tensors: dict, i: int, h: int, d: i
         n = keys.shape[-1] if channel else keys.shape[-2]
         if n != length or values.shape[-2] != length or not 0 <= skip < length:
             raise RecordError(f"{where}: length {length}, skip {skip} do not fit its {n} tokens")
-        seg = Segment(keys, values, length, skip, fitted=held.fitted)
+        seg = Segment(keys=keys, values=values, length=length, skip=skip, fitted=held.fitted)
         held.segments.append(seg)
     return held
 

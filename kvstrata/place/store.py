@@ -47,7 +47,7 @@ class Entry:
         return self.parsed if self.parsed is not None else parse_payload(self.payload)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Lookup:
     """Result of a prefix lookup: how many leading blocks hit in global KV, and whether the SWA
     state saved at the last hit block is still live; with those records, verified, not parsed."""
@@ -187,7 +187,8 @@ class KVStore:
             entries.append(entry)
         n = len(entries)
         live = self.entry(TierClass.SWA, hashes[n - 1], namespace) if n and swa else None
-        return Lookup(n, n > 0 and (live is not None or not swa), entries, live)
+        return Lookup(global_blocks=n, swa_live=n > 0 and (live is not None or not swa), entries=entries,
+                      swa=live)
 
     @classmethod
     def from_config(cls, cfg) -> "KVStore":

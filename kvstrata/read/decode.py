@@ -28,7 +28,7 @@ F32 = 0
 _NONE = torch.empty(0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EncodedView:
     """A layer's encoded tokens at one step. `runs`: (keys, values, skip) in token order, keys
     `[b, h, n, d]` (or `[b, h, d, n]` when `key_channel`: KIVI groups along tokens), values
@@ -100,7 +100,7 @@ def token_rows(q: QTensor, a: int, b: int) -> QTensor:
     """Tokens [a, b) of a `[b, h, tokens, d]` QTensor whose codes and scales are per token (every
     part of 3+ dims has the tokens on dim 2; per-tensor parts stay whole)."""
     parts = {name: (p[:, :, a:b] if p.dim() >= 3 else p) for name, p in q.parts.items()}
-    return QTensor(q.codec, (*q.shape[:2], b - a, *q.shape[3:]), q.dtype, parts)
+    return QTensor(codec=q.codec, shape=(*q.shape[:2], b - a, *q.shape[3:]), dtype=q.dtype, parts=parts)
 
 
 def _describe(q: QTensor, channel: bool, skip: int, d: int):
@@ -198,7 +198,8 @@ def decode_attention(
 
     The query, tail and bias are first moved into the codes' space by the view's transforms, one by
     one in pipeline order; their output fix-ups run in reverse."""
-    a = Attend(query, tail_k, tail_v, bias, softcap, view.tokens + tail_k.shape[-2])
+    a = Attend(query=query, tail_k=tail_k, tail_v=tail_v, bias=bias, softcap=softcap,
+               tokens=view.tokens + tail_k.shape[-2])
     if view.sink is not None:
         idx = _sink_to_tail(view, a, idx)
     fixes = view.fitted.enter(a, view.side)

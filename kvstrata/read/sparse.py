@@ -90,7 +90,7 @@ class HeldLayer(Protocol):
 Stable = tuple[int, int] | None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ReadState:
     cfg: TopK
     modes: dict[int, str]  # layer index -> F / R / U (full-attention layers only)

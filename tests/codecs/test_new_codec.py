@@ -23,7 +23,8 @@ class FP16(BF16):
 
     def encode(self, x: torch.Tensor) -> QTensor:
         check_finite(x, self.name)
-        return QTensor(self, tuple(x.shape), x.dtype, {"values": x.to(torch.float16).contiguous()})
+        return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype,
+                       parts={"values": x.to(torch.float16).contiguous()})
 
 
 @pytest.fixture(scope="class")

@@ -13,7 +13,7 @@ from kvstrata.codecs import Center, Rotation, Smooth
 from kvstrata.codecs.transform import Fitted
 from kvstrata.hf import CompressedCache
 from kvstrata.hf import attention as attn
-from kvstrata.hf.run import forward
+from kvstrata.hf.run import cache_kwarg, forward
 from kvstrata.hf.segments import encode_segment
 from kvstrata.methods import METHODS, parse_method
 from kvstrata.read import decode
@@ -68,7 +68,7 @@ def _view(spec, shape, seed=0, lengths=(64, 37, 1)):
         runs.append((seg.keys, seg.values, min(5, n - 1) if len(runs) == 0 else 0))
     tail = [torch.randn(b, hk, 2, d, generator=g) for _ in range(2)]
     q = torch.randn(b, hq, 1, d, generator=g)
-    return EncodedView(rec.key_axis == "channel", runs, fitted=fitted), tail, q
+    return EncodedView(key_channel=rec.key_axis == "channel", runs=runs, fitted=fitted), tail, q
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -175,7 +175,7 @@ def test_a_padding_mask_falls_back_to_the_reference(tiny_llama, spec):
         cache = CompressedCache(tiny_llama.config, spec, fused=fused)
         with torch.inference_mode():
             out = tiny_llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                      past_key_values=cache, pad_token_id=0)
+                                      pad_token_id=0, **{cache_kwarg(tiny_llama): cache})
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
 

@@ -22,7 +22,8 @@ def _setup(spec: str, shape: tuple, seed: int = 0):
     k, v = torch.randn(b, hk, 96, d, generator=g) * 2, torch.randn(b, hk, 96, d, generator=g)
     s1 = encode_segment(rec, k[..., :64, :], v[..., :64, :])
     s2 = encode_segment(rec, k[..., 64:, :], v[..., 64:, :], reserve=32)  # a run with spare rows
-    view = EncodedView(rec.key_axis == "channel", [(s1.keys, s1.values, 5), (s2.keys, s2.values, 0)])
+    view = EncodedView(key_channel=rec.key_axis == "channel",
+                       runs=[(s1.keys, s1.values, 5), (s2.keys, s2.values, 0)])
     tk, tv = torch.randn(b, hk, 3, d, generator=g), torch.randn(b, hk, 3, d, generator=g)
     q = torch.randn(b, hq, 1, d, generator=g)
     total = view.tokens + 3

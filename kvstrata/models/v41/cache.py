@@ -23,13 +23,15 @@ def _cat(a: QTensor | None, b: QTensor) -> QTensor:
     if a.spec != b.spec:
         raise ValueError(f"cannot append {b.spec} rows to {a.spec} rows")
     parts = {k: torch.cat([a.parts[k], b.parts[k]], dim=1) for k in a.parts}
-    return QTensor(a.codec, (a.shape[0], a.shape[1] + b.shape[1], *a.shape[2:]), a.dtype, parts)
+    return QTensor(codec=a.codec, shape=(a.shape[0], a.shape[1] + b.shape[1], *a.shape[2:]), dtype=a.dtype,
+                   parts=parts)
 
 
 def _tail(a: QTensor, n: int) -> QTensor:
     """The last `n` rows along the token axis."""
     parts = {k: v[:, -n:].clone() if n else v[:, :0].clone() for k, v in a.parts.items()}
-    return QTensor(a.codec, (a.shape[0], min(n, a.shape[1]), *a.shape[2:]), a.dtype, parts)
+    return QTensor(codec=a.codec, shape=(a.shape[0], min(n, a.shape[1]), *a.shape[2:]), dtype=a.dtype,
+                   parts=parts)
 
 
 class Store:

@@ -32,7 +32,8 @@ def _encoded(spec: str, k: torch.Tensor, v: torch.Tensor):
     rec = parse_method(spec).full
     fitted = Fitted.fit(rec.transforms, k)
     seg = encode_segment(rec, k, v, fitted)
-    return rec, seg, EncodedView(rec.key_axis == "channel", [(seg.keys, seg.values, 0)], fitted=fitted)
+    return rec, seg, EncodedView(key_channel=rec.key_axis == "channel", runs=[(seg.keys, seg.values, 0)],
+                                 fitted=fitted)
 
 
 def _time(fn, repeats: int, cuda: bool = False) -> float:
