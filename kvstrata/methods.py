@@ -279,7 +279,10 @@ def _check_combinations(rec: StoreRecipe, text: str) -> None:
                  if rk.knob.excludes and rk.get(rec) != rk.default(entry)]
     for t in rec.transforms:
         f, k = field_knobs(type(t))[0]
-        set_knobs.append((replace(k, excludes=type(t).excludes), getattr(t, f.name)))
+        excludes = dict(type(t).excludes)
+        if t.side:  # side parts ride per token beside the key codes: keys grouped per channel have none
+            excludes.setdefault("keys=channel", "its side parts are stored per token beside the key codes")
+        set_knobs.append((replace(k, excludes=excludes), getattr(t, f.name)))
     for k, value in set_knobs:
         for condition, why in k.excludes.items():
             what, holds = CONDITIONS[condition]

@@ -109,6 +109,13 @@ class Outliers(Transform):
             raise ValueError(f"the method keeps {self.outliers} outlier channels; the model's head_dim is "
                              f"{head_dim}")
 
+    def check_state(self, state: State, head_dim: int) -> None:
+        idx = state["idx"]
+        if idx.shape[-1] != self.outliers or not ((idx >= 0) & (idx < head_dim)).all() or \
+                (idx.shape[-1] > 1 and not (idx.diff(dim=-1) > 0).all()):
+            raise ValueError(f"Outliers state idx must hold {self.outliers} ascending channels in "
+                             f"[0, {head_dim}) per head")
+
     def fit(self, keys: torch.Tensor) -> State:
         return {"idx": outlier_channels(keys, self.outliers)}
 
@@ -121,7 +128,9 @@ class Outliers(Transform):
 
     def enter(self, a: Attend, state: State, side):
         c = state["idx"]
-        kept = torch.cat([kept_values(side("outliers")), channels(a.tail_k, c).float()], -2)
+        held = side("outliers")  # None while nothing is encoded yet
+        kept = channels(a.tail_k, c).float()
+        kept = kept if held is None else torch.cat([kept_values(held), kept], -2)
         extra = score_bias(a.query, c, kept)
         a.query = zero_channels(a.query, c)
         a.bias = extra if a.bias is None else a.bias + extra

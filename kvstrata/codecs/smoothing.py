@@ -33,6 +33,11 @@ class Smooth(Transform):
         "[0, 1]", number(0, 1), position=40)
     order: ClassVar[int] = 20
 
+    def check_state(self, state: State, head_dim: int) -> None:
+        super().check_state(state, head_dim)
+        if not (state["scale"] > 0).all():
+            raise ValueError("Smooth state scale holds divisors <= 0")
+
     def fit(self, keys: torch.Tensor) -> State:
         return {"scale": smoothing_scale(keys, self.smooth)}
 

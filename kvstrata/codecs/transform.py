@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -72,6 +72,13 @@ class Transform:
     def check(self, kv_heads: int, head_dim: int) -> None:
         """Refuse a model shape this transform cannot work on (before anything runs)."""
 
+    def check_state(self, state: State, head_dim: int) -> None:
+        """Refuse (ValueError) a state this transform could not have fitted -- read from outside, e.g.
+        a store record: by default every floating-point tensor must be finite."""
+        for name, t in state.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise ValueError(f"{type(self).__name__} state {name} holds NaN or Inf")
+
     def fit(self, keys: torch.Tensor) -> State:
         """State from `keys: [b, h, n, d]` (the first encoded tokens, earlier transforms applied)."""
         return {}
@@ -88,7 +95,8 @@ class Transform:
 
     def enter(self, a: Attend, state: State, side: Callable[[str], torch.Tensor]):
         """Move `a` into the codes' space (in place); returns a fix-up of the output `[b, hq, d]`,
-        or None. `side(name)`: that side part of every visible encoded token, `[b, h, n_codes, ...]`."""
+        or None. `side(name)`: that side part of every visible encoded token, `[b, h, n_codes, ...]`, or
+        None while no token is encoded."""
         return None
 
 
@@ -102,12 +110,13 @@ def text_of(t: Transform) -> str:
     return ",".join(out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Fitted:
-    """A recipe's transforms (in order) with their fitted state, one dict per transform."""
+    """A recipe's transforms (in order) with their fitted state, one dict per transform. Compared by
+    identity; `same_as` compares transforms and state."""
 
     transforms: tuple[Transform, ...] = ()
-    states: tuple[State, ...] = field(default=(), compare=False)
+    states: tuple[State, ...] = ()
 
     @classmethod
     def fit(cls, transforms: tuple[Transform, ...], keys: torch.Tensor) -> "Fitted":
@@ -158,7 +167,7 @@ class Fitted:
 
     def same_as(self, other: "Fitted") -> bool:
         """Same transforms and bit-identical state (what lets encoded runs share one read)."""
-        if self.transforms != other.transforms:
+        if self.transforms != other.transforms or len(self.states) != len(other.states):
             return False
         return all(a.keys() == b.keys() and all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype
                                                  and torch.equal(a[k], b[k]) for k in a)

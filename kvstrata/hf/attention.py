@@ -96,15 +96,17 @@ def attending(config):
 @contextlib.contextmanager
 def hooked(model, name: str, var: ContextVar, value):
     """Within the block the model attends with implementation `name` and `var` holds `value` (the
-    hook's state); both are restored after."""
-    previous = attention_implementation(model.config)
+    hook's state); the block holds an attention scope of its own, so what `kvstrata` replaced is
+    restored after it even when the caches that selected it go away inside the block."""
+    leave = enter_scope(model.config)
     model.set_attn_implementation(name)
     token = var.set(value)
     try:
         yield value
     finally:
         var.reset(token)
-        model.set_attn_implementation(previous)
+        model.set_attn_implementation(NAME)
+        leave()
 
 
 @contextlib.contextmanager

@@ -61,108 +61,123 @@ def pack(layers: dict[int, Held], tokens: int | None = None) -> tuple[dict, dict
 
 
 @lru_cache(maxsize=256)
-def _parts(codec, last: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
-    """(name, trailing shape, dtype) of each part `codec` makes of a `[1, 1, 1, last]` tensor."""
-    q = codec.encode(torch.zeros(1, 1, 1, last))  # parts of fewer than 3 dims are per tensor: shape kept
-    return tuple((n, tuple(t.shape[3:] if t.dim() >= 3 else t.shape), t.dtype) for n, t in q.parts.items())
+def _parts(codec, last: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype, bool], ...]:
+    """(name, trailing shape, dtype, per token) of each part `codec` makes of a `[1, 1, 1, last]`
+    tensor: parts of 3+ dims run along the tensor's leading dims, smaller ones are per tensor."""
+    q = codec.encode(torch.zeros(1, 1, 1, last))
+    return tuple((n, tuple(t.shape[3:] if t.dim() >= 3 else t.shape), t.dtype, t.dim() >= 3)
+                 for n, t in q.parts.items())
 
 
 def _check_parts(found: dict, want: tuple, lead: tuple[int, ...], where: str) -> None:
-    names = {n for n, _, _ in want}
+    """Exactly the parts `want` names, each of exactly the shape and dtype it should have."""
+    names = {n for n, *_ in want}
     if set(found) != names:
         raise RecordError(f"{where}: parts {sorted(found)} where the codec makes {sorted(names)}")
-    for name, trailing, dtype in want:
-        t = found[name]
-        shape = (*lead, *trailing) if t.dim() >= 3 else trailing
+    for name, trailing, dtype, per_token in want:
+        t, shape = found[name], ((*lead, *trailing) if per_token else trailing)
         if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
             raise RecordError(f"{where}.{name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
 
 
-def _qtensor(codec, meta: dict, parts: dict, h: int, d: int, channel: bool, dtype, where: str) -> QTensor:
+def _qtensor(codec, meta: dict, parts: dict, h: int, d: int, channel: bool, dtype, most: int,
+             where: str) -> QTensor:
     if meta.get("codec") != spec_of(codec) or DTYPES.get(meta.get("dtype")) != dtype:
         raise RecordError(f"{where}: codec {meta.get('codec')!r} / {meta.get('dtype')!r}, the recipe holds "
                           f"{spec_of(codec)!r} / {dtype}")
     shape = tuple(int(x) for x in meta["shape"])
-    n = shape[-1] if channel else shape[-2]
-    if len(shape) != 4 or shape[:2] != (1, h) or shape[-2 if channel else -1] != d or n < 1:
-        raise RecordError(f"{where}: shape {shape} does not fit [1, {h}, tokens, {d}]")
-    lead = shape[:3]
-    _check_parts(parts, _parts(codec, shape[-1]), lead, where)
+    n = shape[-1] if len(shape) == 4 and channel else shape[-2] if len(shape) == 4 else 0
+    if len(shape) != 4 or shape[:2] != (1, h) or shape[-2 if channel else -1] != d or not 1 <= n <= most:
+        raise RecordError(f"{where}: shape {shape} does not fit [1, {h}, 1..{most} tokens, {d}]")
+    _check_parts(parts, _parts(codec, shape[-1]), shape[:3], where)
     return QTensor(codec=codec, shape=shape, dtype=dtype, parts=parts)
 
 
-def _raw(tensors: dict, key: str, h: int, d: int, dtype, where: str):
+def _raw(tensors: dict, key: str, h: int, d: int, dtype, rows: int | None, where: str):
+    """The raw K, V pair under `key` (None when absent): `[1, h, n, d]` of `dtype`, with `rows` rows
+    when given (0: there must be none)."""
     k, v = tensors.pop(f"{key}.k", None), tensors.pop(f"{key}.v", None)
     if k is None and v is None:
+        if rows:
+            raise RecordError(f"{where}: {rows} {key} rows missing")
         return None
     if k is None or v is None or k.shape != v.shape or k.dim() != 4 or k.shape[:2] != (1, h) \
-            or k.shape[-1] != d or k.dtype != dtype or v.dtype != dtype:
-        raise RecordError(f"{where}: {key} tensors do not fit [1, {h}, tokens, {d}] {dtype}")
+            or k.shape[-1] != d or k.dtype != dtype or v.dtype != dtype or k.shape[-2] == 0 \
+            or (rows is not None and k.shape[-2] != rows):
+        raise RecordError(f"{where}: {key} tensors do not fit [1, {h}, {rows or 'tokens'}, {d}] {dtype}")
     return k, v
 
 
 def _fitted(recipe: StoreRecipe, entry: dict, tensors: dict, i: int, h: int, d: int) -> Fitted | None:
-    """The layer's transform state, checked against what fitting the recipe's transforms makes."""
+    """The layer's transform state, checked against what fitting the recipe's transforms makes, and
+    by each transform (`Transform.check_state`: finite, in range)."""
     if entry["digest"] is None:
         return None
     if entry["transforms"] != [text_of(t) for t in recipe.transforms]:
         raise RecordError(f"layer {i}: transforms {entry['transforms']} are not the recipe's")
     probe = Fitted.fit(recipe.transforms, torch.zeros(1, h, 2, d))
     states = []
-    for t, want in enumerate(probe.states):
+    for t, (transform, want) in enumerate(zip(recipe.transforms, probe.states)):
         got = {name: tensors.pop(f"L{i}.state.{t}.{name}", None) for name in want}
         for name, w in want.items():
             if got[name] is None or got[name].shape != w.shape or got[name].dtype != w.dtype:
                 raise RecordError(f"layer {i}: transform state {name} missing or not "
                                   f"{tuple(w.shape)} {w.dtype}")
+        try:
+            transform.check_state(got, d)
+        except ValueError as e:
+            raise RecordError(f"layer {i}: {e}") from None
         states.append(got)
     fitted = Fitted(recipe.transforms, tuple(states))
     if fitted.digest() != entry["digest"]:
         raise RecordError(f"layer {i}: transform state does not match its digest")
-    z = torch.zeros(1, h, 1, d)
-    k, _, side = fitted.forward(z, z)  # a state that cannot be applied (an index out of range) fails here
-    fitted.inverse_keys(k, side)
     return fitted
 
 
-def _layer(recipe: StoreRecipe, entry: dict, tensors: dict, i: int, h: int, d: int, dtype) -> Held:
-    held = Held(sink=_raw(tensors, f"L{i}.sink", h, d, torch.bfloat16, f"layer {i}"),
-                tail=_raw(tensors, f"L{i}.tail", h, d, dtype, f"layer {i}"),
+def _layer(recipe: StoreRecipe, entry: dict, tensors: dict, i: int, h: int, d: int, dtype,
+           span: tuple[int, int] | None) -> Held:
+    """Layer `i`'s parts of a block of positions `span` ([lo, hi): its sink rows are the recipe's sink
+    within it, no full-precision tail), or of a sliding window (None: no sink)."""
+    lo, hi = span if span is not None else (0, 1 << 30)
+    sink_rows = 0 if span is None else max(0, min(hi, recipe.sink) - lo)
+    held = Held(sink=_raw(tensors, f"L{i}.sink", h, d, torch.bfloat16, sink_rows, f"layer {i}"),
+                tail=_raw(tensors, f"L{i}.tail", h, d, dtype, 0 if span is not None else None, f"layer {i}"),
                 fitted=_fitted(recipe, entry, tensors, i, h, d))
-    if held.sink is not None and held.sink[0].shape[-2] > recipe.sink:
-        raise RecordError(f"layer {i}: {held.sink[0].shape[-2]} sink tokens, the recipe keeps {recipe.sink}")
     if bool(entry["segments"]) != (held.fitted is not None):
         raise RecordError(f"layer {i}: encoded segments and transform state must come together")
     channel = recipe.key_axis == "channel"
-    side_parts = ()
-    if held.fitted is not None:  # what the transforms store beside the key codes, per token
-        z = torch.zeros(1, h, 1, d)
-        side_parts = tuple((n, tuple(t.shape[3:]), t.dtype) for n, t in held.fitted.forward(z, z)[2].items())
+    most = min(hi - lo, 1 << 20) + recipe.key_group  # a key group cut by the block held whole
+    side_parts, kdt, vdt = (), dtype, dtype
+    if held.fitted is not None:  # what the transforms store beside the key codes, and the dtypes they make
+        z = torch.zeros(1, h, 1, d, dtype=dtype)
+        k, v, side = held.fitted.forward(z, z)
+        side_parts = tuple((n, tuple(t.shape[3:]), t.dtype, True) for n, t in side.items())
+        kdt, vdt = k.dtype, v.dtype
     for j, s in enumerate(entry["segments"]):
         where = f"layer {i} segment {j}"
+        length, skip = int(s["length"]), int(s["skip"])
         parts = {tag: {k.split(".", 3)[3]: tensors.pop(k) for k in [k for k in tensors
                                                                    if k.startswith(f"L{i}.s{j}.{tag}.")]}
                  for tag in ("k", "v")}
         side = {name: parts["k"].pop(name) for name in held.fitted.side if name in parts["k"]}
-        _check_parts(side, side_parts, (1, h, int(s["length"])), where)  # beside the key codes
-        keys = _qtensor(recipe.codec, s["k"], parts["k"], h, d, channel, dtype, where)
+        keys = _qtensor(recipe.codec, s["k"], parts["k"], h, d, channel, kdt, most, where)
+        values = _qtensor(recipe.value_codec, s["v"], parts["v"], h, d, False, vdt, most, where)
+        _check_parts(side, side_parts, (1, h, length), where)  # beside the key codes
         keys.parts.update(side)
-        values = _qtensor(recipe.value_codec, s["v"], parts["v"], h, d, False, dtype, where)
-        length, skip = int(s["length"]), int(s["skip"])
         n = keys.shape[-1] if channel else keys.shape[-2]
         if n != length or values.shape[-2] != length or not 0 <= skip < length:
             raise RecordError(f"{where}: length {length}, skip {skip} do not fit its {n} tokens")
-        seg = Segment(keys=keys, values=values, length=length, skip=skip, fitted=held.fitted)
-        held.segments.append(seg)
+        held.segments.append(Segment(keys=keys, values=values, length=length, skip=skip, fitted=held.fitted))
     return held
 
 
-def unpack(recipes: dict[int, StoreRecipe], tensors: dict, meta: dict, kv_heads: int, head_dim: int,
-           dtype: torch.dtype, tokens: int | None) -> dict[int, Held]:
-    """Record tensors + metadata -> each layer's held parts (layers exactly `recipes`' keys, each
-    holding `tokens` positions, or any number when None: a window); any inconsistency is a
-    RecordError."""
+def unpack(recipes: dict[int, StoreRecipe], tensors: dict, meta: dict, *, kv_heads: int, head_dim: int,
+           dtype: torch.dtype, start: int | None, tokens: int | None) -> dict[int, Held]:
+    """Record tensors + metadata -> each layer's held parts: layers exactly `recipes`' keys, holding
+    positions [start, start + tokens) of full-attention layers, or (`start` None) a sliding window of
+    any size; any inconsistency is a RecordError."""
     tensors = dict(tensors)
+    span = None if start is None else (start, start + tokens)
     try:
         doc = json.loads(meta.get("kv", ""))
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -171,7 +186,8 @@ def unpack(recipes: dict[int, StoreRecipe], tensors: dict, meta: dict, kv_heads:
         layers = doc["layers"]
         if sorted(layers, key=int) != [str(i) for i in sorted(recipes)]:
             raise RecordError(f"record holds layers {sorted(layers, key=int)}, expected {sorted(recipes)}")
-        out = {i: _layer(recipes[i], layers[str(i)], tensors, i, kv_heads, head_dim, dtype) for i in recipes}
+        out = {i: _layer(recipes[i], layers[str(i)], tensors, i, kv_heads, head_dim, dtype, span)
+               for i in recipes}
         counts = {held.tokens for held in out.values()}
         if doc["tokens"] != tokens or (tokens is not None and counts != {tokens}):
             raise RecordError(f"record layers hold {sorted(counts)} tokens, expected {tokens}")

@@ -75,15 +75,20 @@ class PrefixServer:
         self.layers = {kind: [i for i, (c, _) in enumerate(self.classes) if c == cls]
                        for kind, cls in ((TierClass.GLOBAL, "full"), (TierClass.SWA, "sliding"))}
 
-    def _open(self, entry: Entry, klass: TierClass, tokens: int | None) -> dict[int, Held] | None:
-        """A verified record's per-layer held parts, or None: a record that does not unpack to what
-        these layers hold is counted and removed."""
+    def _open(self, entry: Entry, klass: TierClass, block: int | None) -> dict[int, Held] | None:
+        """A verified record's per-layer held parts (global KV of block `block`, or the sliding
+        windows), or None: a record that does not unpack to what these layers hold is counted and
+        removed. A record found only in this process's memory is promoted once it unpacks."""
         recipes = {i: self.spec.recipe(self.classes[i][0], i) for i in self.layers[klass]}
+        start, tokens = (None, None) if block is None else (block * self.block, self.block)
         try:
-            return unpack(recipes, *entry.open(), self.kv_heads, self.head_dim, self.dtype, tokens)
+            held = unpack(recipes, *entry.open(), kv_heads=self.kv_heads, head_dim=self.head_dim,
+                          dtype=self.dtype, start=start, tokens=tokens)
         except RecordError:
             entry.reject()
             return None
+        entry.promote()
+        return held
 
     def serve(self, ids: list[int], retention: Retention = Retention.PERSISTENT) -> Served:
         """The prompt's cache and next-token logits; new blocks are written back under `retention`."""
@@ -98,30 +103,13 @@ class PrefixServer:
         found = self.store.lookup(hashes, self.ns, swa=bool(sliding), retention=retention)
         records: list[dict[int, Held]] = []
         chain: dict[int, Held] = {}  # per layer, the first record that holds codes: its state rules
-        for entry in found.entries:
-            held = self._open(entry, TierClass.GLOBAL, self.block)
+        for b, entry in enumerate(found.entries):
+            held = self._open(entry, TierClass.GLOBAL, b)
             if held is None or not all(held[i].agrees(chain.get(i, held[i])) for i in held):
                 break  # unusable, or encoded under another transform state than the chain's
             chain.update({i: h for i, h in held.items() if i not in chain and h.fitted is not None})
             records.append(held)
-        P = len(records) * self.block
-        cache = CompressedCache(self.model.config, self.spec)
-        start, kind = 0, ServeKind.MISS
-        if records:
-            # the SWA state belongs to the lookup's last block: a shorter usable chain replays
-            swa = found.swa if len(records) == found.global_blocks else None
-            windows = self._open(swa, TierClass.SWA, None) if swa is not None else None
-            live = windows is not None or not sliding
-            kind = ServeKind.HIT if live else ServeKind.REPLAY
-            start = P if live else max(0, P - self.n_win)
-            like = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
-            for i, layer in enumerate(cache.layers):
-                if i in sliding:
-                    install(layer, [windows[i]] if windows is not None else [], start, like)
-                else:
-                    install(layer, [r[i] for r in records], P, like)
-                    if kind is ServeKind.REPLAY:
-                        layer.start_replay(start)
+        cache, start, kind, P = self._install(records, found, sliding)
         Q = max(P, usable * self.block)
         write_s, snapshot = 0.0, None
         if start < Q:
@@ -141,6 +129,33 @@ class PrefixServer:
         write_s += time.perf_counter() - t1
         return Served(cache=cache, logits=logits, kind=kind, reused_tokens=P,
                       computed_tokens=len(ids) - start, ttft_s=ttft, write_s=write_s)
+
+    def _install(self, records: list[dict[int, Held]], found, sliding: list[int]):
+        """(cache, first position to compute, kind, tokens reused): the records' codes installed as
+        held, with the SWA windows when live; a fresh cache (a miss) when there are none -- or when
+        they do not fit together, which unpacking each alone cannot see."""
+        cache = CompressedCache(self.model.config, self.spec)
+        if not records:
+            return cache, 0, ServeKind.MISS, 0
+        P = len(records) * self.block
+        # the SWA state belongs to the lookup's last block: a shorter usable chain replays
+        swa = found.swa if len(records) == found.global_blocks else None
+        windows = self._open(swa, TierClass.SWA, None) if swa is not None else None
+        live = windows is not None or not sliding
+        kind = ServeKind.HIT if live else ServeKind.REPLAY
+        start = P if live else max(0, P - self.n_win)
+        like = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
+        try:
+            for i, layer in enumerate(cache.layers):
+                if i in sliding:
+                    install(layer, [windows[i]] if windows is not None else [], start, like)
+                else:
+                    install(layer, [r[i] for r in records], P, like)
+                    if kind is ServeKind.REPLAY:
+                        layer.start_replay(start)
+        except ValueError:
+            return CompressedCache(self.model.config, self.spec), 0, ServeKind.MISS, 0
+        return cache, start, kind, P
 
     def _snapshot(self, cache: CompressedCache, P: int, Q: int):
         """Records of the new blocks [P, Q) (global KV, cut from the full layers as held) and of

@@ -32,7 +32,7 @@ from kvstrata.place.secret import load_or_create, parse_hex
 from kvstrata.place.tier import StoreUnavailable, Tier
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Entry:
     """A record proven intact and written under the key, class and namespace asked for (signature
     checked), its tensors not parsed yet; `open` parses them, and a record that then does not parse
@@ -41,6 +41,9 @@ class Entry:
     payload: bytes | None
     reject: Callable[[], None]
     parsed: tuple[dict, dict] | None = None  # a record not yet written: already (tensors, meta)
+    #: for a record found only in memory that a persistent request reads: write it to the persistent
+    #: tier (called by the reader once the record proved usable)
+    promote: Callable[[], None] = lambda: None
 
     def open(self) -> tuple[dict, dict]:
         """(tensors, str metadata); raises RecordError when the payload does not parse."""
@@ -118,25 +121,25 @@ class KVStore:
         if entry is None:
             return None
         try:
-            return entry.open()
+            rec = entry.open()
         except RecordError:
             entry.reject()
             return None
+        entry.promote()
+        return rec
 
     def entry(self, klass: TierClass, key: str, namespace: bytes | None = None,
               retention: Retention = Retention.PERSISTENT) -> Entry | None:
         """`key`'s record in `klass`, verified (no tensor parsed), or None: missing, or a counted miss.
-        Global KV found only in the memory tier is promoted when `retention` is persistent."""
+        Global KV found only in the memory tier carries a `promote` when `retention` is persistent."""
         klass = TierClass(klass)
         found, in_memory = self._find(klass, key, namespace)
         if in_memory and Retention(retention) is Retention.PERSISTENT and namespace is not None:
-            try:
-                rec = found.open()
-            except RecordError:
-                found.reject()
-                return None
-            self.put_global(key, rec[0], dict(rec[1]), namespace)
-            found = Entry(None, found.reject, parsed=rec)
+            def promote(entry=found):
+                tensors, meta = entry.open()
+                self.put_global(key, tensors, dict(meta), namespace)
+
+            found.promote = promote
         return found
 
     def _find(self, klass: TierClass, key: str, namespace: bytes | None) -> tuple[Entry | None, bool]:
@@ -156,7 +159,7 @@ class KVStore:
         except RecordError:
             self._reject(tier, key)
             return None
-        return Entry(payload, lambda: self._reject(tier, key))
+        return Entry(payload=payload, reject=lambda: self._reject(tier, key))
 
     def _decode(self, klass: TierClass, key: str, blob: bytes, namespace: bytes | None):
         try:

@@ -55,8 +55,10 @@ class EncodedView:
         """Visible tokens: the sink, then the runs."""
         return self.sink_tokens + self.run_tokens
 
-    def side(self, name: str) -> torch.Tensor:
-        """Side part `name` of every visible encoded token (the runs', in order)."""
+    def side(self, name: str) -> torch.Tensor | None:
+        """Side part `name` of every visible encoded token (the runs', in order); None without runs."""
+        if not self.runs:
+            return None
         return torch.cat([k.parts[name][:, :, skip:] for k, _, skip in self.runs], -2)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -73,7 +73,8 @@ class WriteBehindStore(KVStore):
         with self._lock:
             p = self._pending.get((klass, key))
         if p is not None and (namespace is None or p.namespace == namespace):
-            found = Entry(None, lambda: None, parsed=(p.tensors, {k: str(v) for k, v in p.meta.items()}))
+            found = Entry(payload=None, reject=lambda: None,
+                          parsed=(p.tensors, {k: str(v) for k, v in p.meta.items()}))
             return found, p.retention is Retention.IN_MEMORY
         with self._lock:
             return super()._find(klass, key, namespace)

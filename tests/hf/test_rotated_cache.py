@@ -68,7 +68,8 @@ def test_records_round_trip_through_the_rotation():
     layer.update(k, v)
     record = pack({0: cut(layer, 0, 32, encode_tail=True)}, 32)
     back = CompressedLayer(recipe)
-    install(back, [unpack({0: recipe}, *record, 2, 64, torch.float32, 32)[0]], 32, k[..., :0, :])
+    held = unpack({0: recipe}, *record, kv_heads=2, head_dim=64, dtype=torch.float32, start=0, tokens=32)
+    install(back, [held[0]], 32, k[..., :0, :])
     for got, want in zip(back.dense(), layer.dense()):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     plain = CompressedLayer(parse_method("nvfp4").full)

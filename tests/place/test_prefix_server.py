@@ -148,6 +148,11 @@ def _meta_mutations():
             {k.replace(f"L{L}.", "L99.", 1) if k.startswith(f"L{L}.") else k: v for k, v in t.items()}, m,
         ),
         "no metadata": lambda t, m, L: (t, {}),
+        "sink rows where the recipe keeps none": lambda t, m, L: (
+            {**t, f"L{L}.sink.k": torch.zeros(1, t[f"L{L}.s0.v.values"].shape[1], 2, 32,
+                                              dtype=torch.bfloat16),
+             f"L{L}.sink.v": torch.zeros(1, t[f"L{L}.s0.v.values"].shape[1], 2, 32,
+                                         dtype=torch.bfloat16)}, m),
     }
 
 
@@ -216,3 +221,87 @@ def test_every_knob_the_grammar_takes_is_stored_as_held(tiny_gemma, tiny_llama, 
         s.store.swa_tier.clear()
         replay = s.serve(IDS)
         assert replay.kind == ("replay" if model is tiny_gemma else "hit")
+
+
+def _states(t: dict, name: str) -> list[str]:
+    return [k for k in t if k.endswith(f".{name}")]
+
+
+STATE_MUTATIONS = {
+    "a per-tensor scale stored per token": ("nvfp4", "tensor_scale", lambda v: v.reshape(1, 1, 1, 1)),
+    "a repeated outlier channel": ("nvfp4:outliers=2", "idx", lambda v: v[..., :1].expand_as(v).clone()),
+    "an outlier channel past head_dim": ("nvfp4:outliers=2", "idx", lambda v: v + 1000),
+    "a NaN mean": ("nvfp4:center=1", "mean", lambda v: v * float("nan")),
+    "a zero smoothing divisor": ("nvfp4:smooth=0.5", "scale", lambda v: v * 0),
+}
+
+
+@pytest.mark.parametrize("mutation", list(STATE_MUTATIONS))
+def test_a_transform_state_that_could_not_have_been_fitted_is_a_counted_miss(tiny_gemma, tmp_path, mutation):
+    """Re-signed, with its digest recomputed: only the transform's own check of its state (or the
+    check of a part's layout) can tell."""
+    from kvstrata.codecs.transform import Fitted
+    from kvstrata.place.records import encode_record
+
+    spec, name, change = STATE_MUTATIONS[mutation]
+    server = PrefixServer(tiny_gemma, make_store(tmp_path), spec, block_size=8)
+    cold = server.serve(IDS)
+    tier = server.store.global_tier
+    victim = sorted(tier.keys())[0]
+    tensors, meta = server.store.get_global(victim, server.ns)
+    doc = json.loads(meta["kv"])
+    for key in _states(tensors, name):
+        layer = key.split(".")[0][1:]
+        tensors[key] = change(tensors[key])
+        recipe = server.spec.recipe("full", int(layer))
+        states = ({n.split(".")[-1]: tensors[n] for n in tensors if n.startswith(f"L{layer}.state.")},)
+        doc["layers"][layer]["digest"] = Fitted(recipe.transforms, states).digest()
+    meta = {**meta, "kv": json.dumps(doc)}
+    tier.put(victim, encode_record(tensors, meta, key=victim, secret=server.store.secret, klass="global",
+                                   namespace=server.ns))
+    again = server.serve(IDS)
+    assert tier.stats.corrupt == 1 and again.kind in ("miss", "replay")
+    torch.testing.assert_close(again.logits, cold.logits, atol=0.5, rtol=0)
+
+
+def test_a_full_precision_tail_in_a_block_record_is_a_counted_miss(server):
+    """Block records hold a layer's tail rows encoded; raw rows in one were not written by a cache."""
+    from kvstrata.place.records import encode_record
+
+    server.serve(IDS)
+    tier = server.store.global_tier
+    victim = sorted(tier.keys())[0]
+    tensors, meta = server.store.get_global(victim, server.ns)
+    layer = json.loads(meta["kv"])["layers"]
+    L = next(k for k in layer)
+    heads = tensors[f"L{L}.s0.v.values"].shape[1]
+    tensors = {**tensors, f"L{L}.tail.k": torch.zeros(1, heads, 2, 32), f"L{L}.tail.v": torch.zeros(1, heads,
+                                                      2, 32)}
+    tier.put(victim,
+             encode_record(tensors, meta, key=victim, secret=server.store.secret, namespace=server.ns))
+    server.serve(IDS)
+    assert tier.stats.corrupt == 1
+
+
+def test_a_bf16_model_stores_and_hits_with_key_transforms(tiny_llama, tmp_path):
+    """Centering and smoothing make float32 keys of a bf16 model: the records say so and read back."""
+    import copy
+
+    model = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    s = PrefixServer(model, make_store(tmp_path), "nvfp4:center=1,smooth=0.5,outliers=2", block_size=8)
+    cold, warm = s.serve(IDS), s.serve(IDS)
+    assert warm.kind == "hit" and s.store.global_tier.stats.corrupt == 0
+    torch.testing.assert_close(warm.logits, cold.logits, atol=0, rtol=0)
+
+
+def test_outlier_channels_read_before_anything_is_encoded(tiny_llama, tmp_path):
+    """A block written while every token was still in the full-precision tail fits the transforms
+    early; the next fused decode step has no encoded token to take side parts from."""
+    s = PrefixServer(tiny_llama, make_store(tmp_path), "nvfp4:r=64,outliers=2", block_size=16)
+    served = s.serve(IDS[:33])
+    layer = served.cache.layers[0]
+    assert layer.fitted is not None and not layer.segments
+    from kvstrata.hf.run import forward
+
+    logits = forward(tiny_llama, torch.tensor([[5]]), served.cache)
+    assert torch.isfinite(logits).all()

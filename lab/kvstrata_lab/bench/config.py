@@ -72,6 +72,14 @@ class TuneConfig:
             parse_method(f"layers[0]={rung}")  # a rung must be assignable to one layer
             if self.kv_apart:
                 _check_kv_rung(rung)
+        if self.kv_apart:  # every pairing of a keys rung with a values rung must be one recipe
+            for k_rung in self.ladder:
+                for v_rung in self.ladder:
+                    try:
+                        kv_recipe(k_rung, v_rung)
+                    except ValueError as e:
+                        raise ValueError(f"ladder rungs {k_rung!r} (keys) and {v_rung!r} (values) do "
+                                         f"not make one recipe: {e}") from None
         if set(self.calib) & set(self.heldout):
             raise ValueError(f"calibration instances {sorted(set(self.calib) & set(self.heldout))} are also "
                              "held out: they must be disjoint")
@@ -104,7 +112,8 @@ def _check_kv_rung(rung: str) -> None:
 def kv_recipe(k_rung: str, v_rung: str) -> str:
     """One layer's recipe with keys as on `k_rung` and values as on `v_rung`: the keys' recipe with
     the values' codec, the larger full-precision tail and sink, and the transforms that act on
-    values too (rotation) when either has them. `r` and `keys` are always written."""
+    values too (rotation) when either has them; `r` and `keys` always written. Equal rungs: the rung
+    as given."""
     if k_rung == v_rung:
         return k_rung
     rk, rv = parse_method(k_rung).full, parse_method(v_rung).full
