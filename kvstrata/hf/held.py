@@ -94,7 +94,7 @@ def install(layer: CompressedLayer, parts: list[Held], seen: int, like: torch.Te
     layer.lazy_initialization(like, like)
     layer.generation += 1
     if sinks:
-        layer.sink = tuple(_own(torch.cat([s[i] for s in sinks], -2)) for i in (0, 1))
+        layer.sink = tuple(torch.cat([s[i] for s in sinks], -2) for i in (0, 1))  # a copy of its own
     layer.segments = [_owned(s) for s in join_segments(layer.recipe, segs)]
     layer.fitted = fitted[0] if fitted else None
     tail = next((p.tail for p in parts if p.tail is not None), None)

@@ -15,7 +15,7 @@ from kvstrata.codecs import QTensor
 from kvstrata.codecs.base import SharedScale
 from kvstrata.codecs.transform import IDENTITY, Fitted
 from kvstrata.methods import StoreRecipe
-from kvstrata.read.decode import token_rows
+from kvstrata.read.decode import decode_run, token_rows
 
 #: rows a segment made by a small (decode-time) flush reserves, so later flushes append in place
 APPEND_ROWS = 64
@@ -173,13 +173,7 @@ def decode_segment(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Visible tokens of `seg` as dense `[batch, kv_heads, visible, head_dim]` K and V, its key
     transforms undone."""
-    k = seg.keys.codec.decode(seg.keys).to(dtype)
-    if recipe.key_axis == "channel":
-        k = k.transpose(-1, -2)
-    side = {name: seg.keys.parts[name][:, :, seg.skip:] for name in seg.fitted.side}
-    k = seg.fitted.inverse_keys(k[..., seg.skip:, :], side)
-    v = seg.fitted.inverse_values(seg.values.codec.decode(seg.values).to(dtype)[..., seg.skip:, :])
-    return k, v
+    return decode_run((seg.keys, seg.values, seg.skip), recipe.key_axis == "channel", seg.fitted, dtype)
 
 
 def drop_front(recipe: StoreRecipe, seg: Segment, n: int, compact: int = 0) -> Segment | None:

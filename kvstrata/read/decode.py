@@ -65,13 +65,10 @@ class EncodedView:
         """Every visible token decoded, per run, the sink first: `[b, h, n, d]` K and V (the reference
         path)."""
         ks, vs = ([self.sink[0].to(dtype)], [self.sink[1].to(dtype)]) if self.sink is not None else ([], [])
-        for k, v, skip in self.runs:
-            kd = k.codec.decode(k).to(dtype)
-            if self.key_channel:
-                kd = kd.transpose(-1, -2)
-            side = {name: k.parts[name][:, :, skip:] for name in self.fitted.side}
-            ks.append(self.fitted.inverse_keys(kd[..., skip:, :], side))
-            vs.append(self.fitted.inverse_values(v.codec.decode(v).to(dtype)[..., skip:, :]))
+        for run in self.runs:
+            k, v = decode_run(run, self.key_channel, self.fitted, dtype)
+            ks.append(k)
+            vs.append(v)
         return ks, vs
 
     def key_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -96,6 +93,19 @@ class EncodedView:
                 out.append(self.fitted.inverse_keys(rows, side))
             offset += n
         return torch.cat(out, -2)
+
+
+def decode_run(run: tuple[QTensor, QTensor, int], key_channel: bool, fitted: Fitted,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One run's visible tokens decoded, `[b, h, n, d]` K and V, `fitted`'s transforms undone
+    (`IDENTITY`: as the codes hold them)."""
+    k, v, skip = run
+    kd = k.codec.decode(k).to(dtype)
+    if key_channel:
+        kd = kd.transpose(-1, -2)
+    side = {name: k.parts[name][:, :, skip:] for name in fitted.side}
+    return (fitted.inverse_keys(kd[..., skip:, :], side),
+            fitted.inverse_values(v.codec.decode(v).to(dtype)[..., skip:, :]))
 
 
 def token_rows(q: QTensor, a: int, b: int) -> QTensor:
@@ -245,12 +255,8 @@ def attend_codes(
 
 def _raw_runs(view: EncodedView) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The runs decoded as the codes hold them (transforms not undone), `[b, h, n, d]` float32."""
-    ks, vs = [], []
-    for k, v, skip in view.runs:
-        kd = k.codec.decode(k).float()
-        ks.append((kd.transpose(-1, -2) if view.key_channel else kd)[..., skip:, :])
-        vs.append(v.codec.decode(v).float()[..., skip:, :])
-    return ks, vs
+    runs = [decode_run(run, view.key_channel, IDENTITY, torch.float32) for run in view.runs]
+    return [k for k, _ in runs], [v for _, v in runs]
 
 
-__all__ = ["EncodedView", "decode_attention", "per_query_head", "reference_attention"]
+__all__ = ["EncodedView", "decode_attention", "decode_run", "per_query_head", "reference_attention"]
