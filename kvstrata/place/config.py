@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kvstrata.place.secret import SecretError, parse_hex
+from kvstrata.place.secret import SecretError, parse_hex, parse_list
 from kvstrata.user_files import read_text_file
 
 ENV_PREFIX = "KVSTRATA_STORE_"
@@ -27,6 +27,7 @@ _RANGES = {
     "swa_ram_share": (0.0, 1.0, False),
     "block_size": (1, 1 << 16, True),
     "redis_timeout_seconds": (0.0, 3600.0, False),
+    "redis_check_seconds": (0.0, 86400.0, False),
 }
 
 
@@ -49,13 +50,21 @@ class StoreConfig:
     redis_timeout_seconds: float = 0.5
     redis_allow_eviction: bool = False  # accept a maxmemory-policy that may evict global KV early
     secret: str = field(default="", repr=False)  # hex HMAC key for records (else read from secret_file)
-    secret_file: str = ""  # default: <root>/.kvstrata-secret, created 0600 on first use
+    secret_file: str = ""  # default: <root>/.kvstrata-secret, created 0600 on first use (local stores)
+    previous_secrets: str = field(default="", repr=False)  # comma-separated hex: verify, never sign
+    redis_check_seconds: float = 10.0  # how often the live Redis eviction policy is re-checked
 
     def __post_init__(self):
         for f in fields(self):
             problem = check_value(f.name, getattr(self, f.name))
             if problem:
                 raise ValueError(f"store setting {f.name}: {problem}")
+        if self.redis_url and not (self.secret or self.secret_file):
+            raise ValueError(
+                "store setting secret: a store on Redis is shared by a fleet, so it needs the fleet's "
+                "secret: set secret (or KVSTRATA_STORE_SECRET, hex) or secret_file on every machine; "
+                "a machine with its own secret would read the fleet's records as unverifiable"
+            )
 
     @property
     def swa_capacity_bytes(self) -> int:
@@ -103,11 +112,11 @@ def check_value(name: str, value) -> str | None:
             return f"must be {'>=' if inclusive else '>'} {lo} and <= {hi:g}, got {value!r}"
     if name == "redis_url" and value and urlscheme(value) not in ("redis", "rediss", "unix"):
         return f"expected a redis://, rediss:// or unix:// URL, got {urlscheme(value) or 'no scheme'}"
-    if name == "secret" and value:
+    if name in ("secret", "previous_secrets") and value:
         try:
-            parse_hex(value, "secret")
+            (parse_list if name == "previous_secrets" else parse_hex)(value, name)
         except SecretError as exc:
-            return str(exc).removeprefix("secret: ")
+            return str(exc).removeprefix(f"{name}: ")
     return None
 
 

@@ -4,11 +4,14 @@ Invariants:
 - a reader never sees a partial entry: a value goes to a temp file in the same directory
   (named with its writer's identity), fsynced, renamed over `<key>.kv` (atomic on POSIX), and the
   directory fsynced;
-- the tier touches only what it created (`disk_root`): other names, links, FIFOs, directories and
-  files without the entry header are skipped and reported, never followed, read or deleted;
+- the tier touches only what its ledger lists (`ledger`): other names, links, FIFOs, directories
+  and unlisted files -- whatever bytes they start with -- are skipped and reported, never followed,
+  read, replaced or deleted;
 - an entry's size is checked against its header before its value is read;
 - the bytes held stay within the capacity across processes (`ledger`: writes and deletes run under
-  one file lock; the total is recounted on open).
+  one file lock; listed entries that are gone or damaged are reconciled on open);
+- a full disk, a read-only file system or an I/O error is a counted refusal or miss
+  (`faults`), logged once per interval with a count: the request is served without the cache.
 Entry layout: MAGIC `KVSD` | version (u16) | 0 (u16) | expiry (float64 LE, 0 = none) | value
 length (u64 LE) | value.
 """
@@ -23,8 +26,11 @@ from pathlib import Path
 
 from kvstrata.place import tier as _tier
 from kvstrata.place.disk_root import SUFFIX, classify, new_temp, open_root, stale_temp, valid_key
+from kvstrata.place.faults import FaultLog
 from kvstrata.place.ledger import Ledger
 from kvstrata.place.tier import TierBase, TierStats
+
+NOT_LISTED = "not written by this store (its ledger does not list it)"
 
 MAGIC = b"KVSD"
 VERSION = 1
@@ -40,7 +46,8 @@ def _safe(key: str) -> str:
 
 
 class DiskTier(TierBase):
-    """Global KV on local disk. A full tier refuses new writes (counted); it never evicts."""
+    """Global KV on local disk. A full tier refuses new writes (counted); it never evicts. A disk
+    fault (full, read-only, I/O error) is a counted refusal or miss, logged once per interval."""
 
     def __init__(self, root: str | Path, capacity_bytes: int, evict: bool = False):
         if capacity_bytes <= 0:
@@ -49,30 +56,30 @@ class DiskTier(TierBase):
         self.capacity = capacity_bytes
         self.evict = evict
         self.stats = TierStats()
+        self.faults = FaultLog(self.stats, f"disk store {self.root}")
         self.skipped: dict[str, str] = {}  # entry name -> why it was left alone
         self.ledger = Ledger(self.root)
         with self.ledger.locked():  # no writer is mid-write while we hold it
             self._reap_stale_temps()
-            self.ledger.write(sum(self._scan().values()))
+            if self.ledger.fresh:  # a root from before the ledger listed entries: adopt whole ones
+                self.ledger.adopt(self._legacy_entries())
+            self._reconcile()
+            self.ledger.compact()
 
     def _path(self, key: str) -> Path:
         return self.root / (_safe(key) + SUFFIX)
 
     # --- reading ---------------------------------------------------------------------------------
-    def _state(self, st: os.stat_result, head: bytes) -> tuple[str, str]:
-        """(ours | damaged | foreign, why) of an entry from its stat and first header bytes."""
-        if not stat.S_ISREG(st.st_mode):
-            return "foreign", "not a regular file"
-        if head[:4] != MAGIC:
-            return "foreign", "not written by kvstrata (no entry header)"
-        if len(head) < _HEAD.size:
-            return "damaged", "truncated header"
+    def _state(self, st: os.stat_result, head: bytes, listed: int | None) -> str:
+        """'ours' | 'damaged' (listed, but not the entry written) | 'foreign' (not listed, or not a file)."""
+        if listed is None or not stat.S_ISREG(st.st_mode):
+            return "foreign"
+        if len(head) < _HEAD.size or head[:4] != MAGIC:
+            return "damaged"
         _, version, _, _, length = _HEAD.unpack(head)
-        if version != VERSION:
-            return "foreign", f"entry version {version} is unknown to this build"
-        if _HEAD.size + length != st.st_size or length > self.capacity:
-            return "damaged", f"size {st.st_size} does not match its header ({length} + {_HEAD.size})"
-        return "ours", ""
+        if version != VERSION or _HEAD.size + length != st.st_size or length > self.capacity:
+            return "damaged"
+        return "ours"
 
     def _open(self, path: Path):
         """(file, stat, header bytes) of an entry, or (None, None, why) when it cannot be opened as one."""
@@ -86,34 +93,45 @@ class DiskTier(TierBase):
         f = os.fdopen(fd, "rb", buffering=0, closefd=True) if stat.S_ISREG(st.st_mode) else _Closed(fd)
         return f, st, f.read(_HEAD.size) if stat.S_ISREG(st.st_mode) else b""
 
+    def _listed(self, key: str) -> int | None:
+        """The ledger's size of `key` (others' latest changes read in when it is not known here)."""
+        size = self.ledger.size(key)
+        if size is None:
+            with self.ledger.locked():
+                size = self.ledger.size(key)
+        return size
+
     def get(self, key: str) -> bytes | None:
         name = _safe(key)
-        f, st, head = self._open(self._path(key))
-        if f is None:
-            if head is not None:
-                self._skip(name + SUFFIX, head)
-            self.stats.misses += 1
+        self.stats.misses += 1  # taken back on a hit
+        try:
+            f, st, head = self._open(self._path(key))
+            if f is None:
+                if head is not None:
+                    self._skip(name + SUFFIX, head)
+                return None
+            with f:
+                state = self._state(st, head, self._listed(key))
+                if state == "ours":
+                    _, _, _, expiry, length = _HEAD.unpack(head)
+                    if expiry and expiry <= _tier.now():
+                        self._remove(key)
+                        self.stats.expired += 1
+                        return None
+                    value = _read_exactly(f, length)
+                    if value is not None:
+                        self.stats.misses -= 1
+                        self.stats.hits += 1
+                        return value
+                    state = "damaged"
+        except OSError as exc:  # EIO and the like: a miss, counted and logged once per interval
+            self.faults.note("read", exc)
             return None
-        with f:
-            state, why = self._state(st, head)
-            if state == "ours":
-                _, _, _, expiry, length = _HEAD.unpack(head)
-                if expiry and expiry <= _tier.now():
-                    self._remove(key)
-                    self.stats.expired += 1
-                    self.stats.misses += 1
-                    return None
-                value = _read_exactly(f, length)
-                if value is not None:
-                    self.stats.hits += 1
-                    return value
-                state = "damaged"
         if state == "foreign":
-            self._skip(name + SUFFIX, why)
+            self._skip(name + SUFFIX, NOT_LISTED if stat.S_ISREG(st.st_mode) else "not a regular file")
         else:
             self.stats.corrupt += 1
             self._remove(key)
-        self.stats.misses += 1
         return None
 
     def _skip(self, name: str, why: str) -> None:
@@ -128,64 +146,68 @@ class DiskTier(TierBase):
             self.stats.refused += 1
             return False
         expiry = 0.0 if ttl_s is None else _tier.now() + ttl_s
-        with self.ledger.locked():
-            old = self._held(path)
-            if old is None:  # something we did not create sits under this name: never overwrite it
-                self.stats.refused += 1
-                return False
-            used = self.ledger.read() - old + size
-            if used > self.capacity:
-                self.stats.refused += 1
-                return False
-            fd, tmp = new_temp(self.root)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(_HEAD.pack(MAGIC, VERSION, 0, expiry, len(value)))
-                    f.write(value)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            self.ledger.write(used)
-        _fsync_dir(self.root)
+        try:
+            with self.ledger.locked():
+                head = _HEAD.pack(MAGIC, VERSION, 0, expiry, len(value))
+                if not self._publish(key, path, size, head, value):
+                    self.stats.refused += 1
+                    return False
+            _fsync_dir(self.root)
+        except OSError as exc:  # disk full, read-only, I/O error: a counted refusal, never a raise
+            self.faults.note("write", exc)
+            self.stats.refused += 1
+            return False
         self.stats.writes += 1
         return True
 
-    def _held(self, path: Path, count: bool = True) -> int | None:
-        """Bytes the entry at `path` holds (0 when absent), or None when it is not ours (noted in
-        `skipped`, and counted in `stats.skipped` when `count`)."""
-        f, st, head = self._open(path)
-        if f is None:
-            why = head
-        else:
-            with f:
-                why = self._state(st, head)
-            why = why[1] if why[0] == "foreign" else None
-        if why is None:
-            return st.st_size if f is not None else 0
-        if count:
-            self._skip(path.name, why)
-        else:
-            self.skipped[path.name] = why
-        return None
+    def _publish(self, key: str, path: Path, size: int, head: bytes, value: bytes) -> bool:
+        """Write `key`'s entry in place of ours (under the ledger lock); False when it may not."""
+        old = self.ledger.size(key)
+        if old is None and os.path.lexists(path):  # a file we did not write sits there: never replace it
+            self._skip(path.name, NOT_LISTED)
+            return False
+        if self.ledger.total - (old or 0) + size > self.capacity:
+            return False
+        fd, tmp = new_temp(self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(head)
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+            self.ledger.claim(key, size)  # listed before it is published: a crash leaves ours, not a stray
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                if old is None:
+                    self.ledger.release(key)
+                else:
+                    self.ledger.claim(key, old)
+                raise
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return True
 
     def _remove(self, key: str) -> None:
         path = self._path(key)
-        with self.ledger.locked():
-            held = self._held(path)
-            if held:
-                path.unlink(missing_ok=True)
-                self.ledger.write(self.ledger.read() - held)
+        try:
+            with self.ledger.locked():
+                if self.ledger.size(key) is not None:
+                    path.unlink(missing_ok=True)
+                    self.ledger.release(key)
+                elif os.path.lexists(path):
+                    self._skip(path.name, NOT_LISTED)
+        except OSError as exc:
+            self.faults.note("delete", exc)
 
     def delete(self, key: str) -> None:
-        """Remove the entry of `key` if it is ours; anything else under its name is left alone."""
+        """Remove the entry of `key` if the ledger lists it; anything else under its name is left alone."""
         self._remove(key)
 
     # --- listing ---------------------------------------------------------------------------------
-    def _scan(self) -> dict[str, int]:
-        """{key: bytes} of every entry the tier manages; fills `skipped` with the rest."""
+    def _names(self) -> dict[str, os.stat_result]:
+        """{key: stat} of every `<key>.kv` regular file; fills `skipped` with the rest."""
         found, self.skipped = {}, {}
         with os.scandir(self.root) as it:
             for entry in it:
@@ -194,16 +216,51 @@ class DiskTier(TierBase):
                 except FileNotFoundError:
                     continue
                 why = classify(entry.name, st)
-                if why == "own":
-                    continue
                 if why is None:
-                    held = self._held(self.root / entry.name, count=False)
-                    if held is None:
-                        continue
-                    found[entry.name[: -len(SUFFIX)]] = held
-                else:
+                    found[entry.name[: -len(SUFFIX)]] = st
+                elif why != "own":
                     self.skipped[entry.name] = why
         return found
+
+    def _scan(self) -> dict[str, int]:
+        """{key: bytes} of every entry the ledger lists and that is there; the rest goes to `skipped`."""
+        with self.ledger.locked():
+            listed = dict(self.ledger.owned)
+        found = {}
+        for key, st in self._names().items():
+            if key in listed:
+                found[key] = listed[key]
+            else:
+                self.skipped[key + SUFFIX] = NOT_LISTED
+        return found
+
+    def _legacy_entries(self) -> dict[str, int]:
+        """Entries of a root written before the ledger listed them: whole files with the entry header."""
+        adopted = {}
+        for key, st in self._names().items():
+            f, st, head = self._open(self._path(key))
+            if f is not None:
+                with f:
+                    if self._state(st, head, st.st_size) == "ours":
+                        adopted[key] = st.st_size
+        return adopted
+
+    def _reconcile(self) -> None:
+        """Unlist entries that are gone; remove listed ones that are damaged (a writer's crash)."""
+        for key, size in list(self.ledger.owned.items()):
+            f, st, head = self._open(self._path(key))
+            if f is None:
+                if head is None:
+                    self.ledger.release(key)
+                continue
+            with f:
+                state = self._state(st, head, size)
+            if state == "damaged":
+                self._path(key).unlink(missing_ok=True)
+                self.ledger.release(key)
+                self.stats.corrupt += 1
+            elif st.st_size != size:  # a writer died between listing a new value and publishing it
+                self.ledger.claim(key, st.st_size)
 
     def _reap_stale_temps(self) -> None:
         with os.scandir(self.root) as it:
@@ -225,14 +282,16 @@ class DiskTier(TierBase):
         return list(self._scan())
 
     def nbytes(self) -> int:
-        return self.ledger.read()
+        with self.ledger.locked():
+            return self.ledger.total
 
     def describe(self) -> dict:
-        """What an operator needs to see: the root, capacity and every entry left alone, with why."""
+        """What an operator needs to see: the root, capacity, every entry left alone (with why), and
+        the disk faults met."""
         self._scan()
         return {
             "root": str(self.root), "capacity_bytes": self.capacity,
-            "skipped": dict(sorted(self.skipped.items())),
+            "skipped": dict(sorted(self.skipped.items())), "faults": self.faults.counts(),
         }
 
 

@@ -3,9 +3,9 @@
 Invariant: the store reads, replaces or deletes only what it created. A root is a directory holding
 the marker file `.kvstrata-store`; a missing or empty directory becomes one, a non-empty directory
 without the marker is refused (so `root = ""` can never reach the files of the current directory).
-Inside, the store owns the marker, its ledger and secret, its temp files and the entries named
-`<key>.kv` that are regular files starting with the entry header; everything else is skipped and
-reported, never followed, read past its first bytes, or deleted.
+Inside, the store owns the marker, its ledger (lock file and journal) and secret, its temp files
+and the entries its ledger lists (`<key>.kv`); everything else is skipped and reported, never
+followed, read, replaced or deleted -- whatever bytes it starts with.
 
 Temp files carry their writer's identity, `.kvstrata-tmp-<pid>-<random>-<host>`, and are reaped
 only when stale: their writer (on this host) is gone, or they are older than `TEMP_MAX_AGE_S`.
@@ -26,14 +26,15 @@ MARKER = ".kvstrata-store"
 MARKER_TEXT = (
     "kvstrata store root v1: entries <key>.kv are managed by kvstrata; do not put other files here\n"
 )
-LEDGER = ".kvstrata-ledger"
+LEDGER = ".kvstrata-ledger"  # the lock file
+OWNED = ".kvstrata-owned"  # the ledger's journal: the entries the store wrote
 SECRET = ".kvstrata-secret"
 SUFFIX = ".kv"
 TEMP_PREFIX = ".kvstrata-tmp-"
 TEMP_MAX_AGE_S = 3600.0
 _TEMP = re.compile(r"\.kvstrata-tmp-(\d{1,10})-([0-9a-f]{12})-([A-Za-z0-9.\-]{1,64})")
 _KEY = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,199}")
-OWN_FILES = (MARKER, LEDGER, SECRET)
+OWN_FILES = (MARKER, LEDGER, OWNED, SECRET)
 
 
 class StoreRootError(ValueError):

@@ -1,9 +1,9 @@
 """Signed, key-bound records: one value per cached block, no pickle. What the payload holds (a
 block's KV as the cache held it) is `kvstrata.place.block_format`'s.
 
-Layout (version 3): MAGIC (4 B) | version (u16 LE) | class (u8: 0 global, 1 swa) | 0 (u8) |
-SHA-256 of the key (32 B) | namespace (32 B, zeros when none) | payload length (u64 LE) |
-HMAC-SHA256 over everything before it and the payload (32 B) | payload.
+Layout (version 4): MAGIC (4 B) | version (u16 LE) | class (u8: 0 global, 1 swa) | 0 (u8) |
+id of the signing secret (8 B) | SHA-256 of the key (32 B) | namespace (32 B, zeros when none) |
+payload length (u64 LE) | HMAC-SHA256 over everything before it and the payload (32 B) | payload.
 
 The payload is a safetensors blob (its JSON header names every tensor's shape and dtype; string
 metadata carries the codec spec and block facts). Invariant: `decode_record` returns a value only
@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import struct
+from collections.abc import Sequence
 
 import torch
 from safetensors.torch import load as st_load
@@ -27,16 +28,30 @@ from safetensors.torch import save as st_save
 from kvstrata.names import TierClass
 
 MAGIC = b"KVSR"
-VERSION = 3  # 2: payloads of dense-decoded blocks re-encoded per record; never read as 3
+VERSION = 4  # 3: no secret id; 2: payloads of dense-decoded blocks re-encoded per record
 CLASSES = tuple(TierClass)  # the class byte indexes this
 NO_NAMESPACE = bytes(32)
-_HEAD = struct.Struct("<4sHBB32s32sQ")
+_HEAD = struct.Struct("<4sHBB8s32s32sQ")
+SECRET_ID_BYTES = 8
 _MAC = 32
 HEADER_BYTES = _HEAD.size + _MAC
 
 
 class RecordError(ValueError):
     """The bytes are not one whole, intact, signed record of this key, class and namespace."""
+
+
+class UnverifiableRecord(RecordError):
+    """Signed by a secret this store does not hold, or of another record version: not ours to judge."""
+
+    def __init__(self, why: str, secret_id: str = ""):
+        super().__init__(why)
+        self.secret_id = secret_id  # hex id of the signing secret; "" when the version is unknown
+
+
+def secret_id(secret: bytes) -> bytes:
+    """The public id of a signing secret (a record names the secret that signed it by this)."""
+    return hashlib.sha256(b"kvstrata-secret-id\0" + secret).digest()[:SECRET_ID_BYTES]
 
 
 def key_digest(key: str) -> bytes:
@@ -61,33 +76,43 @@ def seal(payload: bytes, *, key: str, secret: bytes, klass: TierClass = TierClas
          namespace: bytes = b"") -> bytes:
     """Header + HMAC around raw `payload` bytes (`encode_record` seals a safetensors blob)."""
     klass = TierClass(klass)  # an unknown class is an error, not a default
-    head = _HEAD.pack(MAGIC, VERSION, CLASSES.index(klass), 0,
+    head = _HEAD.pack(MAGIC, VERSION, CLASSES.index(klass), 0, secret_id(secret),
                       key_digest(key), _namespace(namespace), len(payload))
     return head + hmac.new(secret, head + payload, hashlib.sha256).digest() + payload
 
 
-def decode_record(blob: bytes, *, key: str, secret: bytes, klass: TierClass | None = None,
+Secrets = bytes | Sequence[bytes]
+
+
+def decode_record(blob: bytes, *, key: str, secret: Secrets, klass: TierClass | None = None,
                   namespace: bytes | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Verify and parse one record; `klass` / `namespace` None accept any. Raises RecordError."""
     return parse_payload(verify_record(blob, key=key, secret=secret, klass=klass, namespace=namespace))
 
 
 def verify_record(
-    blob: bytes, *, key: str, secret: bytes, klass: TierClass | None = None, namespace: bytes | None = None
+    blob: bytes, *, key: str, secret: Secrets, klass: TierClass | None = None, namespace: bytes | None = None
 ) -> bytes:
-    """The payload of a whole record signed with `secret` under this key, class and namespace
-    (checked without parsing a tensor); raises RecordError otherwise."""
+    """The payload of a whole record signed with `secret` (or any of a list of secrets: rotation)
+    under this key, class and namespace (checked without parsing a tensor); raises RecordError
+    otherwise, `UnverifiableRecord` when no secret given signed it or its version is another."""
     klass = None if klass is None else TierClass(klass)
     if len(blob) < HEADER_BYTES:
         raise RecordError(f"truncated record: {len(blob)} bytes, header needs {HEADER_BYTES}")
-    magic, version, cls, _, kd, ns, length = _HEAD.unpack_from(blob)
-    if magic != MAGIC:
+    if blob[:4] != MAGIC:
         raise RecordError("not a kvstrata record (bad magic)")
+    (version,) = struct.unpack_from("<H", blob, 4)
     if version != VERSION:
-        raise RecordError(f"unknown record version {version} (this build reads {VERSION})")
+        raise UnverifiableRecord(f"record version {version} (this build reads {VERSION})")
+    _, _, cls, _, sid, kd, ns, length = _HEAD.unpack_from(blob)
     if len(blob) - HEADER_BYTES != length:
         raise RecordError(f"truncated record: payload {len(blob) - HEADER_BYTES} of {length} bytes")
-    mac = hmac.new(secret, memoryview(blob)[: _HEAD.size], hashlib.sha256)
+    signer = next((s for s in ([secret] if isinstance(secret, bytes) else secret) if secret_id(s) == sid),
+                  None)
+    if signer is None:
+        raise UnverifiableRecord(f"record signed by secret {sid.hex()}, which this store does not hold",
+                                 sid.hex())
+    mac = hmac.new(signer, memoryview(blob)[: _HEAD.size], hashlib.sha256)
     mac.update(memoryview(blob)[HEADER_BYTES:])
     if not hmac.compare_digest(mac.digest(), blob[_HEAD.size : HEADER_BYTES]):
         raise RecordError("record signature mismatch (damaged, or not signed with this store's secret)")

@@ -9,6 +9,10 @@ unreachable or unauthenticated server is never reported as an empty store. `conn
 `maxmemory-policy`: global records carry a TTL equal to their retention, so any policy but
 `noeviction` may evict them before it (volatile-* policies included); it is refused for the global
 tier unless the caller opts in (then `describe` says retention is not guaranteed).
+Redis can change under a running store (`CONFIG SET maxmemory-policy allkeys-lru`): the policy and
+the server's `evicted_keys` are re-checked every `check_interval_s` on the serving path and at once
+when a listed record is gone; while they break retention, `problems()` says so (stats, /health,
+metrics) and global writes are refused (counted), until the server is fixed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ class RedisTier(TierBase):
     retention_by_ttl = True  # the store expresses global retention as a Redis TTL on each record
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvstrata", cluster: bool = False,
-                 socket_timeout: float = 0.5, retries: int = 1, max_connections: int = 16, client=None):
+                 socket_timeout: float = 0.5, retries: int = 1, max_connections: int = 16, client=None,
+                 check_interval_s: float = 10.0):
         import redis  # optional dependency (the redis extra)
 
         self._x = redis.exceptions
@@ -45,6 +50,10 @@ class RedisTier(TierBase):
         self.where = _where(url)
         self.stats = TierStats()
         self.server: dict = {}
+        self.check_interval_s = check_interval_s
+        self._guard: dict | None = None  # set by connect(global_class=True): what retention needs
+        self._checked = 0.0
+        self._problems: list[str] = []
         if client is not None:
             self.client = client
         elif cluster:
@@ -94,7 +103,17 @@ class RedisTier(TierBase):
         self.stats.hits += 1
         return value
 
+    def _write_stopped(self, n: int) -> bool:
+        """True (and `n` refusals counted) while retention is broken: no new global KV until fixed."""
+        if not self.problems():
+            return False
+        self._count("refused_retention_broken", n)
+        self.stats.refused += n
+        return True
+
     def put(self, key: str, value: bytes, ttl_s: float | None = None, group: str = "") -> bool:
+        if self._write_stopped(1):
+            return False
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
         ok = self._call(lambda: self.client.set(self._key(key, group), value, px=px))
         if ok:
@@ -123,6 +142,8 @@ class RedisTier(TierBase):
 
     def put_many(self, items: list[tuple[str, bytes]], ttl_s: float | None = None, group: str = "") -> bool:
         """One pipelined round trip; True when every item was stored (each refusal is counted)."""
+        if self._write_stopped(len(items)):
+            return False
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
 
         def run():
@@ -157,13 +178,7 @@ class RedisTier(TierBase):
     def connect(self, global_class: bool = True, allow_eviction: bool = False) -> dict:
         """Reach the server, authenticate, and check that it keeps global KV for its retention."""
 
-        def probe():
-            self.client.ping()
-            info = self.client.info("memory")
-            nodes = info.values() if "maxmemory_policy" not in info else [info]
-            return sorted({n.get("maxmemory_policy", "unknown") for n in nodes if isinstance(n, dict)})
-
-        policies = self._admin(probe, "connecting")
+        policies, evicted = self._admin(self._probe, "connecting")
         policy = ",".join(policies) or "unknown"
         if global_class and policies != [SAFE_POLICY] and not allow_eviction:
             raise EvictionPolicyError(
@@ -176,7 +191,57 @@ class RedisTier(TierBase):
             "server": self.where, "maxmemory_policy": policy, "eviction_allowed": allow_eviction,
             "retention_guaranteed": policies == [SAFE_POLICY],
         }
+        if global_class and not allow_eviction:
+            self._guard = {"evicted_keys": evicted}
+            self._checked = time.monotonic()
         return self.server
+
+    def _probe(self) -> tuple[list[str], int]:
+        """(the servers' maxmemory policies, their evicted_keys summed); raises redis errors."""
+        self.client.ping()
+
+        def nodes(section: str, field: str) -> list[dict]:
+            info = self.client.info(section)
+            return [info] if field in info else [n for n in info.values() if isinstance(n, dict)]
+
+        policies = sorted({n.get("maxmemory_policy", "unknown") for n in nodes("memory", "maxmemory_policy")})
+        return policies, sum(int(n.get("evicted_keys", 0)) for n in nodes("stats", "evicted_keys"))
+
+    def problems(self, force: bool = False) -> list[str]:
+        """Why global retention is broken right now ([] when it holds or was never promised); the
+        server is asked again at most every `check_interval_s` unless `force`."""
+        if self._guard is None:
+            return []
+        if force or time.monotonic() - self._checked >= self.check_interval_s:
+            self._checked = time.monotonic()
+            self._problems = self._recheck()
+        return self._problems
+
+    def _recheck(self) -> list[str]:
+        try:
+            policies, evicted = self._probe()
+        except self._x.RedisError:  # unreachable now: reads and writes count that; keep the last verdict
+            self.stats.errors += 1
+            return self._problems
+        problems = []
+        policy = ",".join(policies) or "unknown"
+        self.server["maxmemory_policy"] = policy
+        if policies != [SAFE_POLICY]:
+            problems.append(f"Redis at {self.where} now has maxmemory-policy {policy}: it may evict global "
+                            f"KV before its retention; global writes stopped until it is {SAFE_POLICY} again")
+        lost = evicted - self._guard["evicted_keys"]
+        self.stats.evicted = max(self.stats.evicted, lost)
+        if lost > 0:
+            problems.append(f"Redis at {self.where} evicted {lost} keys since this store connected "
+                            "(server-wide count): global KV may have been lost before its retention")
+            if policies == [SAFE_POLICY]:  # the operator fixed it: the loss is reported once, then cleared
+                self._guard["evicted_keys"] = evicted
+        self.server["retention_guaranteed"] = not problems
+        if problems:
+            self.server["problems"] = problems
+        else:
+            self.server.pop("problems", None)
+        return problems
 
     def keys(self) -> list[str]:
         found = self._admin(

@@ -1,10 +1,14 @@
-"""The per-store secret that signs records (HMAC key).
+"""The per-store secret that signs records (HMAC key), and the fleet's secrets for a shared tier.
 
 Given as hex (config `secret` / env `KVSTRATA_STORE_SECRET`) or read from a file, which is
 created on first use: 32 random bytes as hex, mode 0600, published atomically (link of a complete
 temp file, so two processes creating it at once agree on one secret). A file that is not a
 regular file owned by this user with no group/other permissions is refused: whoever could replace
 it could forge records.
+
+A shared tier (Redis) holds many machines' records: each must sign with the same fleet secret, so
+such a store never creates one of its own -- it needs an explicit secret (`secret`, the environment,
+or `secret_file`), and `previous_secrets` (verify only) lets a fleet rotate without losing its KV.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 SECRET_BYTES = 32
@@ -77,3 +82,20 @@ def _read(path: Path) -> bytes:
         return parse_hex(text.decode("ascii"), str(path))
     except UnicodeDecodeError:
         raise SecretError(f"{path}: the store secret must be hex digits") from None
+
+
+def parse_list(text: str, where: str) -> tuple[bytes, ...]:
+    """Comma-separated hex secrets (rotation: the ones that still verify)."""
+    return tuple(parse_hex(part, where) for part in text.split(",") if part.strip())
+
+
+def fleet_secrets(cfg, default_file: Callable[[], Path]) -> tuple[bytes, tuple[bytes, ...]]:
+    """(signing secret, secrets that only verify) of a store config; a local store creates its
+    secret file on first use, a shared one refuses to run without an explicit secret."""
+    if cfg.secret:
+        secret = parse_hex(cfg.secret, "secret")
+    elif cfg.secret_file:
+        secret = load_or_create(cfg.secret_file)
+    else:
+        secret = load_or_create(default_file())
+    return secret, parse_list(cfg.previous_secrets, "previous_secrets")

@@ -11,12 +11,14 @@ this process instead; a persistent request that hits it there promotes it. Tier 
 retention are arguments of every call (enums: an unknown one is an error).
 Invariant: a read returns a record only if it proves it is intact, signed with this store's
 secret and written under the key, class and namespace asked for (`records.decode_record`);
-anything else is a miss, counted (`stats.corrupt`) and removed.
+anything else is a miss, counted (`stats.corrupt`) and removed -- except a record signed by a
+secret this store does not hold (another fleet's, a rotated-out one) or of another record version:
+counted apart (`stats.unverifiable`) and left alone, since in a shared tier it may be another
+machine's good KV; the admin commands delete those only when told the secret id to delete.
 """
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import time
 from collections.abc import Callable
@@ -26,10 +28,25 @@ from kvstrata.names import Retention, ServeKind, TierClass
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.disk_root import SECRET, open_root
 from kvstrata.place.memory import MemoryTier
-from kvstrata.place.records import RecordError, decode_record, encode_record, parse_payload, verify_record
+from kvstrata.place.records import (
+    SECRET_ID_BYTES,
+    RecordError,
+    UnverifiableRecord,
+    decode_record,
+    encode_record,
+    parse_payload,
+    secret_id,
+    verify_record,
+)
 from kvstrata.place.redis_tier import RedisTier
-from kvstrata.place.secret import load_or_create, parse_hex
+from kvstrata.place.secret import fleet_secrets
 from kvstrata.place.tier import StoreUnavailable, Tier
+
+OTHER_VERSION = "other-version"  # how the admin commands name records of another record version
+
+
+def _is_secret_id(text: str) -> bool:
+    return len(text) == 2 * SECRET_ID_BYTES and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(kw_only=True)
@@ -69,12 +86,14 @@ class Lookup:
 
 class KVStore:
     """`secret` signs and verifies records; None draws a fresh one, so records live as long as this
-    object (`from_config` reads or creates the store's persistent secret). `memory_tier`: where
+    object (`from_config` reads or creates the store's persistent secret). `previous_secrets` only
+    verify (key rotation: a fleet moves to a new secret without losing its KV). `memory_tier`: where
     "in_memory" global KV goes (None: such a request is refused)."""
 
     def __init__(
         self, global_tier: Tier, swa_tier: Tier, retention_s: float = 72 * 3600, swa_ttl_s: float = 300.0,
         secret: bytes | None = None, memory_tier: Tier | None = None,
+        previous_secrets: tuple[bytes, ...] = (),
     ):
         self.global_tier = global_tier
         self.swa_tier = swa_tier
@@ -82,6 +101,7 @@ class KVStore:
         self.retention_s = retention_s
         self.swa_ttl_s = swa_ttl_s
         self.secret = secrets.token_bytes(32) if secret is None else secret
+        self.secrets = (self.secret, *previous_secrets)  # the first signs, all verify
 
     def _tier(self, klass: TierClass, retention: Retention = Retention.PERSISTENT) -> Tier:
         if TierClass(klass) is TierClass.SWA:
@@ -155,18 +175,15 @@ class KVStore:
         if blob is None:
             return None
         try:
-            payload = verify_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
+            payload = verify_record(blob, key=key, secret=self.secrets, klass=klass, namespace=namespace)
+        except UnverifiableRecord:
+            tier.stats.unverifiable += 1  # not ours to judge: left for whoever holds its secret
+            return None
         except RecordError:
             self._reject(tier, key)
             return None
         return Entry(payload=payload, reject=lambda: self._reject(tier, key))
 
-    def _decode(self, klass: TierClass, key: str, blob: bytes, namespace: bytes | None):
-        try:
-            return decode_record(blob, key=key, secret=self.secret, klass=klass, namespace=namespace)
-        except RecordError:
-            self.reject(key, klass)
-            return None
 
     def reject(self, key: str, klass: TierClass = TierClass.GLOBAL) -> None:
         """A record that verified but cannot be used (e.g. its payload does not decode): counted, removed."""
@@ -198,17 +215,16 @@ class KVStore:
         """Embedded default: local disk for global KV (or Redis when `redis_url` is set, after checking
         it can be reached and keeps retention), RAM pool for SWA, the store's persistent secret."""
 
-        if cfg.secret:
-            secret = parse_hex(cfg.secret, "secret")
-        else:
-            secret = load_or_create(cfg.secret_file or open_root(cfg.root) / SECRET)
+        secret, previous = fleet_secrets(cfg, lambda: open_root(cfg.root) / SECRET)
         if cfg.redis_url:
-            g = RedisTier(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=cfg.redis_timeout_seconds)
+            g = RedisTier(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=cfg.redis_timeout_seconds,
+                          check_interval_s=cfg.redis_check_seconds)
             g.connect(global_class=True, allow_eviction=cfg.redis_allow_eviction)
         else:
             g = DiskTier(cfg.root, int(cfg.global_capacity_gb * 2**30))
         return cls(
-            g, MemoryTier(cfg.swa_capacity_bytes), cfg.retention_hours * 3600, cfg.swa_ttl_seconds, secret
+            g, MemoryTier(cfg.swa_capacity_bytes), cfg.retention_hours * 3600, cfg.swa_ttl_seconds, secret,
+            previous_secrets=previous,
         )
 
     # --- admin ------------------------------------------------------------------------------------
@@ -217,53 +233,88 @@ class KVStore:
         for name, t in (("global", self.global_tier), ("swa", self.swa_tier)):
             out[name] = {"keys": len(t.keys()), "bytes": t.nbytes(), **asdict(t.stats)}
             out[name].update(t.describe())
-        out["global"]["secret_id"] = hashlib.sha256(b"kvstrata-secret-id\0" + self.secret).hexdigest()[:12]
+        out["global"]["secret_id"] = secret_id(self.secret).hex()
+        out["global"]["verifies"] = [secret_id(s).hex() for s in self.secrets]
         return out
 
-    def _admin_read(self, key: str) -> tuple[str, object]:
-        """('ok', record) | ('corrupt', None) | ('gone', None); a failing tier raises StoreUnavailable."""
+    def problems(self, force: bool = False) -> list[str]:
+        """What currently breaks the store's guarantees (a tier's live check, e.g. Redis's policy)."""
+        return self.global_tier.problems(force)
+
+    def _admin_read(self, key: str) -> tuple[str, str]:
+        """(state, secret id): 'ok' | 'corrupt' | 'gone' | 'unverifiable' (with the signer's id, ""
+        for another record version); a failing tier raises StoreUnavailable."""
         t = self.global_tier
         errors, corrupt = t.stats.errors, t.stats.corrupt
         blob = t.get(key)
         if t.stats.errors > errors:
             raise StoreUnavailable(f"the global tier failed while reading {key}")
         if blob is None:
-            return ("corrupt" if t.stats.corrupt > corrupt else "gone"), None
-        rec = self._decode(TierClass.GLOBAL, key, blob, None)
-        return ("ok", rec) if rec is not None else ("corrupt", None)
+            if t.stats.corrupt > corrupt:
+                return "corrupt", ""
+            self.problems(force=True)  # listed, then gone: was it evicted? (the tier's live check says)
+            return "gone", ""
+        try:
+            decode_record(blob, key=key, secret=self.secrets, klass=TierClass.GLOBAL)
+        except UnverifiableRecord as exc:
+            t.stats.unverifiable += 1
+            return "unverifiable", exc.secret_id
+        except RecordError:
+            self._reject(t, key)
+            return "corrupt", ""
+        return "ok", ""
+
+    def _sweep(self, delete_foreign: tuple[str, ...]) -> tuple[dict, list[str]]:
+        """Read back every global record: corrupt ones removed, unverifiable ones counted by signer and
+        removed only when their secret id is in `delete_foreign` ("other-version": another record
+        version). (report, keys of intact records)."""
+        unknown = [i for i in delete_foreign if i != OTHER_VERSION and not _is_secret_id(i)]
+        if unknown:
+            raise ValueError(f"not a secret id: {unknown[0]!r} (ids are {2 * SECRET_ID_BYTES} hex digits, as "
+                             "'store stats' and 'store verify' show them, or 'other-version')")
+        counts = {"checked": 0, "corrupt_removed": 0, "gone": 0, "foreign_removed": 0}
+        signers: dict[str, int] = {}
+        alive = []
+        for key in self.global_tier.keys():
+            counts["checked"] += 1
+            state, signer = self._admin_read(key)
+            if state == "ok":
+                alive.append(key)
+            elif state == "unverifiable":
+                signer = signer or OTHER_VERSION
+                signers[signer] = signers.get(signer, 0) + 1
+                if signer in delete_foreign:
+                    self.global_tier.delete(key)
+                    counts["foreign_removed"] += 1
+            else:
+                counts["corrupt_removed" if state == "corrupt" else "gone"] += 1
+        report = {**counts, "unverifiable": dict(sorted(signers.items())), **self._skipped()}
+        problems = self.problems()
+        if problems:
+            report["problems"] = problems
+        return report, alive
 
     def _skipped(self) -> dict:
         return {"skipped": self.global_tier.describe().get("skipped", {})}
 
-    def verify(self) -> dict:
-        """Read back every global record; corrupt ones are removed and counted."""
-        keys = self.global_tier.keys()
-        states = [self._admin_read(k)[0] for k in keys]
-        return {
-            "checked": len(keys), "corrupt_removed": states.count("corrupt"), "gone": states.count("gone"),
-            **self._skipped(),
-        }
+    def verify(self, delete_foreign: tuple[str, ...] = ()) -> dict:
+        """Read back every global record; corrupt ones are removed and counted, records signed by a
+        secret this store does not hold are counted by signer and kept (unless named for deletion)."""
+        return self._sweep(delete_foreign)[0]
 
-    def gc(self) -> dict:
-        """Verify every global record (removing corrupt ones) and drop those past retention; on a tier
-        that keeps retention as TTLs, report them and give a TTL to records that lack one."""
-        removed = corrupt = 0
-        alive = []
-        for key in self.global_tier.keys():
-            state, _ = self._admin_read(key)
-            corrupt += state == "corrupt"
-            if state != "ok":
-                continue
+    def gc(self, delete_foreign: tuple[str, ...] = ()) -> dict:
+        """`verify`, then drop intact records past retention; on a tier that keeps retention as TTLs,
+        report them and give a TTL to records that lack one."""
+        report, keys = self._sweep(delete_foreign)
+        removed, alive = 0, []
+        for key in keys:
             written = self.global_tier.mtime(key)
             if written is not None and time.time() - written > self.retention_s:
                 self.global_tier.delete(key)
                 removed += 1
             else:
                 alive.append(key)
-        out = {
-            "removed_past_retention": removed, "corrupt_removed": corrupt,
-            "swa_expired": self.swa_tier.reclaim_expired(), **self._skipped(),
-        }
+        out = {"removed_past_retention": removed, **report, "swa_expired": self.swa_tier.reclaim_expired()}
         if self.global_tier.retention_by_ttl:
             out["ttl"] = self._ttl_report(alive)
         return out

@@ -17,6 +17,7 @@ class TierStats:
     expired: int = 0
     errors: int = 0  # transport failures answered as misses
     corrupt: int = 0  # records that failed verification and were removed
+    unverifiable: int = 0  # records signed by a secret this store does not hold: misses, left alone
     skipped: int = 0  # entries the tier did not create, left alone (disk: other files, links, FIFOs)
     extra: dict = field(default_factory=dict)
 
@@ -69,6 +70,11 @@ class Tier(Protocol):
         """Give `key` a TTL; only tiers with `retention_by_ttl`."""
         ...
 
+    def problems(self, force: bool = False) -> list[str]:
+        """What breaks the tier's guarantees right now (checked live, at most every so often unless
+        `force`); [] when nothing does."""
+        ...
+
 
 class TierBase:
     """Defaults for the optional parts of `Tier`: no TTL-kept retention, nothing to describe, write
@@ -90,6 +96,9 @@ class TierBase:
 
     def set_ttl(self, key: str, ttl_s: float) -> bool:
         raise NotImplementedError(f"{type(self).__name__} keeps no per-record TTLs")
+
+    def problems(self, force: bool = False) -> list[str]:
+        return []
 
 
 def now() -> float:

@@ -42,6 +42,11 @@ class _StoreCollector:
         yield GaugeMetricFamily(
             "kvstrata_store_pending_writes", "records accepted, not yet written", value=self.store.pending
         )
+        yield GaugeMetricFamily(
+            "kvstrata_store_retention_ok",
+            "1 while the store keeps its retention guarantee (what breaks it: /health)",
+            value=0 if self.store.problems() else 1,
+        )
         yield CounterMetricFamily(
             "kvstrata_store_write_failures", "record writes that raised", value=self.store.write_failures
         )

@@ -94,10 +94,49 @@ def test_sizes_are_checked_against_the_header_before_reading(tmp_path):
     path = tmp_path / "short.kv"
     path.write_bytes(path.read_bytes()[:-1])  # ours, cut: counted corrupt, removed
     assert d.get("short") is None and d.stats.corrupt == 1 and not path.exists()
-    with open(tmp_path / "liar.kv", "wb") as f:  # our header, claiming 8 GB, on a sparse 8 GB file
+    d.put("liar", b"x")
+    with open(tmp_path / "liar.kv", "wb") as f:  # ours, rewritten: a header claiming 8 GB, sparse 8 GB
         f.write(b"KVSD" + struct.pack("<HHdQ", 1, 0, 0.0, 8 << 30))
         f.truncate(24 + (8 << 30))
     assert d.get("liar") is None and d.stats.corrupt == 2 and not (tmp_path / "liar.kv").exists()
+
+
+@pytest.mark.parametrize("magic", [b"KVSD", b"KVSR"])
+def test_a_foreign_file_with_our_magic_is_left_alone(tmp_path, magic):
+    """Ownership is the ledger's word alone: a `<hex>.kv` file the store did not write is never read
+    as a record, replaced or deleted, whatever bytes it starts with (whole header or not)."""
+    d = DiskTier(tmp_path, 1 << 20)
+    d.put("mine", b"value")
+    whole = (tmp_path / "mine.kv").read_bytes()
+    foreign = {"ab12.kv": magic + b"\0" * 40, "cd34.kv": magic + whole[4:]}  # damaged-looking, and whole
+    for name, data in foreign.items():
+        (tmp_path / name).write_bytes(data)
+    for d in (d, DiskTier(tmp_path, 1 << 20)):  # this process, and a new one reconciling the root
+        for name in foreign:
+            key = name[:-3]
+            assert d.get(key) is None and d.put(key, b"other") is False
+            d.delete(key)
+        assert d.stats.corrupt == 0 and sorted(d.keys()) == ["mine"] and d.get("mine") == b"value"
+        assert all((tmp_path / n).read_bytes() == data for n, data in foreign.items())
+        assert set(d.describe()["skipped"]) == set(foreign)
+    assert main(["store", "gc", "--config", _cfg(tmp_path)]) == 0
+    assert all((tmp_path / n).read_bytes() == data for n, data in foreign.items())
+
+
+def _cfg(root) -> str:
+    cfg = root.parent / f"{root.name}.toml"
+    cfg.write_text(f"[store]\nroot = '{root}'\nretention_hours = 0\n")
+    return str(cfg)
+
+
+def test_a_root_from_before_the_ledger_keeps_its_whole_entries(tmp_path):
+    d = DiskTier(tmp_path, 1 << 20)
+    d.put("old", b"value")
+    d.ledger.close()
+    (tmp_path / ".kvstrata-owned").unlink()  # as a store written by an earlier build left it
+    (tmp_path / "cut.kv").write_bytes(b"KVSD" + b"\0" * 10)  # not whole: not adopted, not deleted
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.keys() == ["old"] and again.get("old") == b"value" and (tmp_path / "cut.kv").exists()
 
 
 def test_temp_files_are_reaped_only_when_their_writer_is_gone_or_they_are_old(tmp_path):

@@ -78,7 +78,8 @@ def test_damaged_records_are_refused():
     (dict(key="k2"), "another key"),
     (dict(klass="swa"), "class"),
     (dict(namespace=namespace("model-b", "nvfp4", "float32")), "another namespace"),
-    (dict(secret=b"t" * 32), "signature"),
+    (dict(secret=b"t" * 32), "does not hold"),
+    (dict(secret=[b"t" * 32, b"u" * 32]), "does not hold"),
 ])
 def test_a_record_proves_its_key_class_namespace_and_signer(wrong, match):
     blob = encode_record({"k": torch.zeros(8)}, {}, key="k1", secret=SECRET, klass="global", namespace=NS)

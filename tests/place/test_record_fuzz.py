@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 
+from kvstrata.place import records
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
 from kvstrata.place.records import encode_record, seal
@@ -112,4 +113,12 @@ def test_another_stores_secret_cannot_forge_a_record(tmp_path):
     forger = KVStore(MemoryTier(1 << 20), MemoryTier(1 << 20), secret=os.urandom(32))
     forged = encode_record(BLOCK, {"codec": "bf16"}, key="k1", secret=forger.secret)
     mine.global_tier.put("k1", forged)  # the forger can write to the tier, but does not hold the secret
+    # signed by a secret this store does not hold: never served, counted apart, left for its owner
+    assert mine.get_global("k1") is None and mine.global_tier.stats.unverifiable == 1
+    assert mine.global_tier.keys() == ["k1"] and mine.global_tier.stats.corrupt == 0
+    # the same forgery naming this store's (public) secret id fails the signature: corrupt, removed
+    as_mine = bytearray(forged)
+    as_mine[8:16] = records.secret_id(SECRET)
+    mine.global_tier.put("k1", bytes(as_mine))
     assert mine.get_global("k1") is None and mine.global_tier.stats.corrupt == 1
+    assert mine.global_tier.keys() == []

@@ -142,4 +142,5 @@ def test_redis_copy_of_one_key_onto_another_is_a_counted_miss(start_redis, tmp_p
     server.client().copy(key("b0"), key("b2"), replace=True)  # a whole, validly signed record, wrong key
     assert store.get_global("b2") is None and store.global_tier.stats.corrupt == 1
     assert server.client().exists(key("b2")) == 0 and store.get_global("b0")[1] == {"block": "0"}
-    assert store.verify() == {"checked": 1, "corrupt_removed": 0, "gone": 0, "skipped": {}}
+    assert store.verify() == {"checked": 1, "corrupt_removed": 0, "gone": 0, "foreign_removed": 0,
+                              "unverifiable": {}, "skipped": {}}

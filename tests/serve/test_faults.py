@@ -2,6 +2,7 @@
 generate`'s greedy answer for the same prompt): Redis killed mid-session, a corrupted disk record,
 the server SIGKILLed and restarted on the same disk, the SWA pool emptied by its TTL."""
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvstrata.place.config import StoreConfig
 from kvstrata.place.store import KVStore
 
 TOKENS = 6
+FLEET = "ab" * 32
 
 
 def ask(oa, prompt: str):
@@ -28,6 +30,7 @@ def reference(loaded):
 def test_redis_killed_mid_session_serves_misses_counted_in_metrics(model_dirs, tmp_path, reference):
     redis = RedisServer().start()
     server = start_server(model_dirs["gemma"], tmp_path, env={"KVSTRATA_STORE_REDIS_URL": redis.url,
+                                                              "KVSTRATA_STORE_SECRET": FLEET,
                                                               "KVSTRATA_STORE_REDIS_TIMEOUT_SECONDS": "0.3"})
     try:
         oa, turns = client(server), [text_of(50, seed=20)]
@@ -101,3 +104,51 @@ def _intact(root: Path) -> int:
     after the server has written everything)."""
     store = KVStore.from_config(StoreConfig(root=str(root)))
     return sum(store.get_global(p.stem) is not None for p in root.glob("*.kv"))
+
+
+def test_a_redis_turned_evicting_under_the_server_is_degraded_health_not_wrong_answers(
+    model_dirs, tmp_path, reference
+):
+    redis = RedisServer().start()
+    server = start_server(model_dirs["gemma"], tmp_path, env={
+        "KVSTRATA_STORE_REDIS_URL": redis.url, "KVSTRATA_STORE_SECRET": FLEET,
+        "KVSTRATA_STORE_REDIS_CHECK_SECONDS": "0.05"})
+    try:
+        oa, x = client(server), text_of(50, seed=23)
+        assert ask(oa, x).kvstrata["kind"] == "miss" and server.health()["status"] == "ok"
+        server.wait_written()
+        assert server.metric("kvstrata_store_retention_ok") == 1
+        redis.client().config_set("maxmemory-policy", "allkeys-lru")
+        time.sleep(0.2)
+        y = text_of(70, seed=24)
+        got = ask(oa, y)  # still answered right; its blocks are refused, not written
+        assert got.choices[0].text == reference(y) and ask(oa, x).kvstrata["kind"] == "hit"  # reads go on
+        server.wait_written()
+        health = server.health()
+        assert health["status"] == "degraded" and "allkeys-lru" in health["store_problems"][0]
+        assert server.metric("kvstrata_store_retention_ok") == 0
+        assert ask(oa, y).kvstrata["kind"] == "miss"  # nothing of y was written under the evicting policy
+        assert "Traceback" not in server.log_tail(20000)
+    finally:
+        server.stop()
+        redis.stop()
+
+
+def test_a_full_disk_under_the_server_answers_right_and_logs_once(model_dirs, tmp_path, reference):
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48k", "tmpfs", str(fs)],
+                             capture_output=True)
+    assert mounted.returncode == 0, f"cannot mount a test tmpfs: {mounted.stderr.decode().strip()}"
+    server = start_server(model_dirs["gemma"], tmp_path / "srv", env={"KVSTRATA_STORE_ROOT": str(fs / "kv")})
+    try:
+        oa = client(server)
+        prompts = [text_of(120, seed=30 + i) for i in range(4)]
+        assert all(ask(oa, p).choices[0].text == reference(p) for p in prompts)
+        server.wait_written()
+        log = server.log_tail(50000)
+        assert "Traceback" not in log and log.count("write failure") == 1
+        assert server.health()["status"] == "ok"  # a full disk is a refusal, not a broken guarantee
+    finally:
+        server.stop()
+        subprocess.run(["umount", "-l", str(fs)], check=False)
