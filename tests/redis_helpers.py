@@ -10,22 +10,16 @@ import time
 
 import pytest
 
+from kvstrata_lab.serve_bench.cluster import cluster_port
+
 
 def free_port(bus: bool = False) -> int:
     """A free loopback port; with `bus`, also port + 10000 (a cluster node's bus) is valid and free."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not bus:
-            return port
-        if port + 10000 <= 65535:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                    return port
-                except OSError:
-                    continue
+    if bus:
+        return cluster_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def redis_binary() -> str:

@@ -4,6 +4,7 @@ subprocess; cases that need a model use the tiny local ones."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,10 @@ def p(tmp_path_factory):
     os.mkfifo(files["fifo"])
     files["binary"].write_bytes(b"\xff\xfe\x00abc")
     files["blank"].write_text("  \n\t\n")
+    files["noturns"] = d / "noturns.txt"  # a regular file: no turns in it, and no directory under it
+    files["noturns"].write_text("\n---\n  \n---\n")
+    files["script"] = d / "script.txt"
+    files["script"].write_text("hello\n---\nand again\n")
     files["shortkey"] = d / "keys.txt"
     files["shortkey"].write_text("# one key, too short\nabc\n")
     files["notastore"].mkdir()
@@ -119,6 +124,10 @@ CASES = [
     ("topk-overlap k > tokens",
      ["topk-overlap", "--model", "{llama}", "--k", "99", "--tokens", "64", "--out", "{out}"],
      "--k: 99 is more than --tokens 64"),
+    ("sparse-recall method", ["sparse-recall", "--model", "{llama}", "--method", "nvfp4", "--out", "{out}"],
+     "top-k read over the bf16 store"),
+    ("sparse-recall lengths", ["sparse-recall", "--model", "{llama}", "--lengths", "20", "--out", "{out}"],
+     "no room for a needle prompt"),
     ("depth-similarity group", ["depth-similarity", "--model", "{llama}", "--group", "0"],
      "argument --group"),
     ("depth-similarity tokens",
@@ -137,6 +146,15 @@ CASES = [
     ("store-bench no sliding layers",
      ["store-bench", "--model", "{llama}", "--tokens", "512", "--out", "{out}"],
      "needs a model with sliding-window layers"),
+    ("replay-check prompts", ["replay-check", "--prompts", "0"], "argument --prompts"),
+    ("replay-check windows", ["replay-check", "--model", "{llama}", "--tokens", "600", "--windows", "1,x"],
+     "--windows: expected whole numbers of sliding windows >= 1, got '1,x'"),
+    ("replay-check under a block",
+     ["replay-check", "--model", "{llama}", "--tokens", "300", "--out", "{out}"],
+     "the turn before the split must be longer than one 256-token block"),
+    ("replay-check depth", ["replay-check", "--model", "{llama}", "--method", "depth:g=2+nvfp4"],
+     "the persistent store does not hold them"),
+    ("chat replay-tokens", ["chat", "--replay-tokens", "most"], "argument --replay-tokens: expected a whole"),
     ("serve model missing", ["serve", "--model", "{dir}/nope"], "neither a known model"),
     ("serve empty model", ["serve", "--model", " "], "argument --model: must not be empty"),
     ("serve bad method", [*SERVE, "--method", "fp5"], "unknown method 'fp5'"),
@@ -173,6 +191,46 @@ CASES = [
     ("serve-bench probe past context",
      [*SERVE_BENCH, "--probe-tokens", "16384", "--out", "{out}"],
      "--probe-tokens 16,384"),
+    # found only after the weights loaded, until they were checked from the tokenizer and config.json
+    ("method layer past the model", [*GEN, "--prompt", "hi", "--method", "nvfp4;layers[7]=fp8"],
+     "assigns layer 7; the model has 4 layers"),
+    ("outliers past head_dim", [*GEN, "--prompt", "hi", "--method", "nvfp4:outliers=32"],
+     "keeps 32 outlier channels; the model's head_dim is 32"),
+    ("topk rank past head_dim", [*GEN, "--prompt", "hi", "--method", "topk:indexer=lowrank,rank=64"],
+     "topk: rank must be in 1..32 (the head dim), got 64"),
+    ("chat keep policy in the store",
+     ["chat", "--model", "{llama}", "--method", "snapkv", "--script", "{script}"],
+     "keep policies do not apply"),
+    ("chat layer past the model",
+     ["chat", "--model", "{llama}", "--method", "bf16;layers[40]=fp8", "--script", "{script}"],
+     "assigns layer 40"),
+    ("chat script without turns", ["chat", "--model", "{llama}", "--script", "{noturns}"],
+     "--script: {noturns} holds no turns"),
+    ("chat max-new-tokens past context",
+     ["chat", "--model", "{llama}", "--script", "{script}", "--max-new-tokens", "20000"],
+     "the first turn is 5 tokens; with 20,000 new tokens"),
+    ("serve keep policy in the store", [*SERVE, "--method", "snapkv"], "keep policies do not apply"),
+    ("serve layer past the model", [*SERVE, "--method", "fp8;layers[4]=nvfp4"], "assigns layer 4"),
+    ("serve host unresolvable", [*SERVE, "--host", "999.1.1.1"], "--host '999.1.1.1' does not resolve"),
+    ("serve host not local", [*SERVE, "--host", "192.0.2.1"], "--host 192.0.2.1 --port 8000: cannot listen"),
+    ("passkey layer past the model", [*PASSKEY, "--methods", "bf16|nvfp4;layers[9]=fp8"], "assigns layer 9"),
+    ("passkey tokens under the fixed text", [*PASSKEY, "--tokens", "200"], "cannot hold even the fixed text"),
+    ("tune out unwritable", ["tune", "--model", "{llama}", "--length", "128", "--out", "{noturns}/tune"],
+     "--out: cannot write to {noturns}/tune: {noturns} is not a directory"),
+    ("tune rung past head_dim",
+     ["tune", "--model", "{llama}", "--length", "128", "--ladder", "bf16,nvfp4:outliers=40",
+      "--out", "{out}"],
+     "keeps 40 outlier channels"),
+    ("bench method past head_dim", ["bench", "--model", "{llama}@128", "--methods", "nvfp4:outliers=40",
+                                    "--out", "{out}"], "keeps 40 outlier channels"),
+    ("bench out unwritable", ["bench", "--model", "{llama}@128", "--out", "{noturns}/bench"],
+     "--out: cannot write to {noturns}/bench"),
+    ("serve-bench keep policy in the store", [*SERVE_BENCH, "--method", "snapkv", "--out", "{out}"],
+     "keep policies do not apply"),
+    ("serve-bench out unwritable", [*SERVE_BENCH, "--out", "{noturns}/sb"], "--out: cannot write to"),
+    ("memory-bench layer past the model",
+     ["memory-bench", "--model", "{llama}", "--methods", "bf16,fp8;layers[4]=int4", "--out", "{out}"],
+     "assigns layer 4"),
     ("report bad rows", ["report", "{badrows}"], "results.jsonl: 2 bad row(s)"),
     ("report missing dir", ["report", "{dir}/none"], "holds no benchmark results"),
 ]
@@ -187,8 +245,19 @@ def fill(args, p):
     return out
 
 
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading a model's weights fails the test: bad input is refused before (no progress bar, no wait)."""
+    from transformers import AutoModelForCausalLM
+
+    def load(*args, **kwargs):
+        pytest.fail("the model's weights were loaded before the input was refused")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+
+
 @pytest.mark.parametrize("argv, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_line_and_exit_2(p, capsys, monkeypatch, argv, words):
+def test_bad_input_is_one_clear_line_and_exit_2(p, capsys, monkeypatch, no_weights, argv, words):
     if "--config" not in argv:  # never the user's store (a config names its own root)
         monkeypatch.setenv("KVSTRATA_STORE_ROOT", str(Path(p["out"]) / "store"))
     try:
@@ -202,6 +271,18 @@ def test_bad_input_is_one_clear_line_and_exit_2(p, capsys, monkeypatch, argv, wo
     assert fill([words], p)[0] in said[0]
     assert not Path(p["out"], "results.jsonl").exists() and not Path(p["out"], "train_ref.json").exists()
     assert not Path(p["out"], "serve_bench.json").exists()
+
+
+def test_serve_refuses_a_port_in_use_before_the_model_loads(p, capsys, monkeypatch, no_weights):
+    monkeypatch.setenv("KVSTRATA_STORE_ROOT", str(Path(p["out"]) / "store"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(fill([*SERVE, "--port", str(port)], p)) == 2
+    err = capsys.readouterr().err
+    said = f"--host 127.0.0.1 --port {port}: cannot listen there (Address already in use)"
+    assert err == f"kvstrata: error: {said}\n"
 
 
 def test_env_settings_are_checked_too(p, capsys, monkeypatch):

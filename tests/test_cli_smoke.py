@@ -176,6 +176,26 @@ def test_store_bench(capsys, tmp_path, tokens):
     assert json.loads((tmp_path / "store_evidence.json").read_text())["tokens"] == tokens
 
 
+@pytest.mark.parametrize("model", ["tiny-gemma3", "tiny-llama"])
+def test_replay_check(capsys, tmp_path, model):
+    """`kvstrata replay-check` on a tiny model: every mode of the sliding model (hit, bounded 1/2/4
+    windows, exact: 3 sliding layers x 15 tokens) and only the hit of the full-attention one; a hit
+    and an exact replay answer as the cold run did; the JSON and the table with its command."""
+    out = run(capsys, f"replay-check --model {model} --prompts 2 --tokens 200 --splits 2 --turn-tokens 9 "
+                      f"--new-tokens 3 --block 32 --out {tmp_path}")
+    result = json.loads((tmp_path / "replay_check.json").read_text())
+    summary = result["summary"]
+    sliding = model == "tiny-gemma3"
+    modes = ["hit", "bounded 1w", "bounded 2w", "bounded 4w", "exact"] if sliding else ["hit"]
+    assert list(summary) == modes
+    assert len(result["rows"]) == 4 * len(summary) and result["exact_tokens"] == (45 if sliding else 0)
+    for mode in ("hit", "exact") if sliding else ("hit",):
+        assert summary[mode]["same_greedy"] == 1.0 and summary[mode]["kl_max"] < 1e-6
+    assert all(r["replayed"] == min(r["n_win"], r["reused"]) for r in result["rows"])
+    assert "| exact |" in out if sliding else "no sliding layers" in out
+    assert "kvstrata replay-check --model" in (tmp_path / "replay_check.md").read_text()
+
+
 def test_store_bench_refuses_a_prompt_under_one_block(capsys, tmp_path):
     assert main(["store-bench", "--model", "tiny-gemma3", "--tokens", "200", "--out", str(tmp_path)]) == 2
     assert "longer than one 256-token block" in capsys.readouterr().err
@@ -255,6 +275,15 @@ def test_topk_overlap(capsys, tmp_path, tokens):
     assert json.loads((tmp_path / "topk_overlap.json").read_text())["tiny-llama"]["tokens"] == tokens
 
 
+def test_sparse_recall(capsys, tmp_path):
+    out = run(capsys, f"sparse-recall --model tiny-gemma3 --lengths 300,520 --prompts 1 "
+                      f"--method topk:k=64,window=16 --out {tmp_path}")
+    assert "| 300 | 2 (F) |" in out and "| 520 | 2 (F) |" in out
+    result = json.loads((tmp_path / "sparse_recall.json").read_text())
+    assert set(result["seconds"]) == {"300", "520"} and result["prompts"][0]["needle_spans"][0]
+    assert (tmp_path / "sparse_recall.png").exists() and (tmp_path / "sparse_recall_positions.png").exists()
+
+
 @pytest.mark.parametrize("preset, factor", [("small-v41", 16), ("tiny-v41", 3)])
 def test_v41_prefill(capsys, tmp_path, preset, factor):
     out = run(
@@ -328,3 +357,19 @@ def test_tune(capsys, tmp_path, model, tokens, budget):
     assert out.startswith(f"spec: {cert['spec']}\n") and "held-out (1 per task" in out
     held = cert["heldout"]
     assert cert["length"] == tokens and held["bytes_per_token"] < held["bf16_bytes_per_token"]
+
+
+def test_serve_soak(capsys, tmp_path):
+    """A shortened soak on tiny-gemma3: a real Redis Cluster with replicas, a master and the server
+    SIGKILLed, the masters filled; every answer near a fault and a sample of others re-checked."""
+    out = tmp_path / "soak"
+    run(capsys, "serve-soak --model tiny-gemma3 --clients 3 --turns 4 --context 64 --max-tokens 4 "
+                f"--duration 60 --check 6 --replay-tokens exact --request-timeout 300 --out {out}")
+    result = json.loads((out / "soak.json").read_text())
+    assert [e["event"] for e in result["events"]] == ["kill_master", "restart", "fill", "unfill"]
+    rq = result["requests"]
+    assert rq["total"] > 10 and rq["failed_after_retries"] == 0 and rq["hangs"] == 0
+    assert result["check"]["checked"] >= 6 and result["check"]["differ"] == 0
+    assert result["counters"]["writes"] > 0 and result["counters"]["corrupt"] == 0
+    assert result["store_at_end"]["corrupt_removed"] == 0 and result["store_at_end"]["checked"] > 0
+    assert "wrong answers" in (out / "README.md").read_text() and list((out / "logs").glob("*.log"))

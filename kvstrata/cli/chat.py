@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from kvstrata.cli.inputs import BIG, int_in, nonempty
+from kvstrata.cli.serve import REPLAY_HELP, replay_tokens
 
 
 def register(sub) -> None:
@@ -19,26 +20,32 @@ def register(sub) -> None:
     ch.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=32)
     ch.add_argument("--forget-swa-before", type=int_in(1, BIG), nargs="*",
                     help="turn numbers before which the SWA pool is emptied")
+    ch.add_argument("--replay-tokens", type=replay_tokens, help=REPLAY_HELP)
     ch.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from kvstrata.cli.inputs import SCRIPT_MAX_BYTES, parse_method_early
-    from kvstrata.models import load
+    from kvstrata.cli.inputs import SCRIPT_MAX_BYTES, check_fits
+    from kvstrata.methods import parse_method
+    from kvstrata.models import check_method, load, load_config, load_tokenizer
     from kvstrata.place import KVStore, StoreConfig
     from kvstrata.place.chat import chat
     from kvstrata.place.prefix_server import PrefixServer
     from kvstrata.user_files import read_text_file
 
-    parse_method_early(args.method)
+    parse_method(args.method)  # a bad spec is named even when the model or the config is bad too
     cfg = StoreConfig.load(args.config)
     script = read_text_file(args.script, "--script", SCRIPT_MAX_BYTES) if args.script else None
-    store = KVStore.from_config(cfg)
-    model, tok = load(args.model)
-    server = PrefixServer(model, store, args.method, block_size=cfg.block_size, tenant=args.tenant.encode())
-    source = script.split("\n---\n") if script is not None else (line for line in sys.stdin)
+    source = script.split("\n---\n") if script is not None else sys.stdin
     turns = [t.strip() for t in source if t.strip()]
     if script is not None and not turns:
         raise ValueError(f"--script: {args.script} holds no turns")
+    check_method(args.model, args.method, store=True)  # before the store opens and the weights load
+    first = len(load_tokenizer(args.model)(turns[0]).input_ids) if turns else 1
+    check_fits(load_config(args.model), first, args.max_new_tokens, "the first turn")
+    store = KVStore.from_config(cfg)
+    model, tok = load(args.model)
+    server = PrefixServer(model, store, args.method, block_size=cfg.block_size, n_win=args.replay_tokens,
+                          tenant=args.tenant.encode())
     chat(model, tok, server, turns, args.max_new_tokens, set(args.forget_swa_before or []), out=sys.stdout)
     return 0

@@ -34,13 +34,15 @@ def run(args) -> int:
     from kvstrata.cli.inputs import check_fits, prompt_text
     from kvstrata.hf.run import generate, peak_rss_mb
     from kvstrata.methods import parse_method
-    from kvstrata.models import load
+    from kvstrata.models import check_method, load_config, load_model, load_tokenizer
 
-    spec = parse_method(args.method)  # fail fast, before the model loads
+    parse_method(args.method)  # a bad spec is named even when the model is bad too
     prompt = prompt_text(args.prompt, args.prompt_file)
-    model, tok = load(args.model)
+    spec = check_method(args.model, args.method)  # everything checked before the weights load
+    tok = load_tokenizer(args.model)
     ids = tok(prompt, return_tensors="pt").input_ids
-    check_fits(model, ids.shape[1], args.max_new_tokens)
+    check_fits(load_config(args.model), ids.shape[1], args.max_new_tokens)
+    model = load_model(args.model)
     go = functools.partial(generate, model, tok, ids, spec, args.max_new_tokens,
                            prefill_chunk=args.prefill_chunk or None)
     if args.profile:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+from pathlib import Path
 
 PROMPT_MAX_BYTES = 16 << 20
 SCRIPT_MAX_BYTES = 4 << 20
@@ -66,28 +68,23 @@ def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
     return text
 
 
-def context_tokens(model) -> int:
-    """The longest sequence the model takes (its position embeddings)."""
-    text = model.config.get_text_config()
+def context_tokens(config) -> int:
+    """The longest sequence a model of this config takes (its position embeddings)."""
+    text = config.get_text_config()
     return int(getattr(text, "max_position_embeddings", 0) or 0) or BIG
 
 
-def check_fits(model, prompt_tokens: int, new_tokens: int, what: str = "the prompt",
+def check_fits(config, prompt_tokens: int, new_tokens: int, what: str = "the prompt",
                new_what: str = "--max-new-tokens") -> None:
-    """Refuse a prompt without tokens, or one that with the tokens to generate exceeds the model's context."""
+    """Refuse a prompt without tokens, or one that with the tokens to generate exceeds the context of a
+    model of this config (the config alone: checked with the tokenizer, before the weights load)."""
     if prompt_tokens < 1:
         raise ValueError(f"{what} has no tokens")
-    limit = context_tokens(model)
+    limit = context_tokens(config)
     if prompt_tokens + new_tokens > limit:
-        raise ValueError(f"{what} is {prompt_tokens:,} tokens; with {new_tokens:,} new tokens ({new_what}) "
-                         f"that exceeds the model's context of {limit:,} tokens")
-
-
-def parse_method_early(text: str) -> None:
-    """Refuse a bad method spec before any model loads."""
-    from kvstrata.methods import parse_method
-
-    parse_method(text)
+        raise ValueError(f"{what} is {prompt_tokens:,} token{'s' * (prompt_tokens != 1)}; with "
+                         f"{new_tokens:,} new tokens ({new_what}) that exceeds the model's context of "
+                         f"{limit:,} tokens")
 
 
 def csv_items(text: str) -> tuple[str, ...]:
@@ -126,11 +123,22 @@ def split_methods(text: str) -> list[str]:
 
 def check_context(model: str, tokens: int, flag: str) -> None:
     """Refuse a length past the model's context, from its config alone (no weights loaded)."""
-    from transformers import AutoConfig
+    from kvstrata.models import load_config
 
-    from kvstrata.models import resolve
-
-    config = AutoConfig.from_pretrained(resolve(model), local_files_only=True)
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    limit = getattr(load_config(model).get_text_config(), "max_position_embeddings", None)
     if limit and tokens > limit:
         raise ValueError(f"{flag}: {tokens:,} tokens exceed {model}'s context of {limit:,} tokens")
+
+
+def writable_dir(path: str | Path, flag: str) -> Path:
+    """Refuse an output directory that cannot be created or written, before any work starts: the nearest
+    existing ancestor must be a directory this process may write (checked, nothing created)."""
+    out = Path(path).expanduser()
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{flag}: cannot write to {out}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: cannot write to {out}: {probe} is not writable")
+    return out

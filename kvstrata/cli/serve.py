@@ -2,10 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
+
 from kvstrata.cli.inputs import BIG, field_default, float_in, int_in, nonempty
+from kvstrata.place.prefix_server import EXACT, ReplayTokens
 from kvstrata.serve.config import RETENTIONS, ServeConfig
 
 DAY_S = 86400.0
+REPLAY_HELP = (f"tokens replayed on an SWA miss, or '{EXACT}': the sliding layers' receptive field, whose "
+               "answers equal a full recompute's (default: 2 sliding windows, bounded and approximate)")
+
+
+def replay_tokens(text: str) -> ReplayTokens:
+    """argparse type: a token count or 'exact' (`--replay-tokens`)."""
+    if text.strip().lower() == EXACT:
+        return EXACT
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= BIG:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens >= 0 or '{EXACT}', got {text!r}")
+    return value
 
 
 def register(sub) -> None:
@@ -34,8 +52,7 @@ def register(sub) -> None:
                    help="deadline per request, seconds")
     s.add_argument("--default-max-tokens", type=int_in(1, BIG), default=default("default_max_tokens"),
                    help="when a request names none")
-    s.add_argument("--replay-tokens", type=int_in(0, BIG),
-                   help="tokens replayed on an SWA miss (default: 2 sliding windows)")
+    s.add_argument("--replay-tokens", type=replay_tokens, help=REPLAY_HELP)
     s.add_argument("--default-retention", default=default("default_retention"), choices=RETENTIONS,
                    help="prompt_cache_retention of requests that give none")
     s.add_argument("--memory-global-gb", type=float_in(0.001, 1e6), default=default("memory_global_gb"),

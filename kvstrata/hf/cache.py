@@ -46,6 +46,23 @@ def layer_classes(config) -> list[tuple[str, int | None]]:
     return out
 
 
+def check_fits_model(spec: MethodSpec, config) -> list[tuple[str, int | None]]:
+    """Refuse a spec the model's shape cannot take (a layer override past its depth, a key transform or
+    a top-k indexer its heads do not fit); returns its layer classes. Reads the config alone, so a
+    command can check before any weights load."""
+    classes = layer_classes(config)
+    if spec.max_layer() >= len(classes):
+        raise ValueError(f"method {spec.text!r} assigns layer {spec.max_layer()}; the model has "
+                         f"{len(classes)} layers (0-{len(classes) - 1})")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads, dim = text.num_key_value_heads, head_dim(text)
+    for t in {t for r in spec.recipes() for t in r.transforms}:
+        t.check(heads, dim)
+    for read in {r.read for r in spec.recipes() if r.read is not None}:
+        read.check(dim)
+    return classes
+
+
 class CompressedCache(Cache):
     """`Cache` whose every layer encodes K/V with the recipe for its layer class."""
 
@@ -57,14 +74,7 @@ class CompressedCache(Cache):
         text = getattr(config, "get_text_config", None)
         self.text_config = text(decoder=True) if text else config
         self.fused = fused
-        classes = layer_classes(config)
-        if self.method.max_layer() >= len(classes):
-            top = self.method.max_layer()
-            raise ValueError(f"method {self.method.text!r} assigns layer {top}; the model has "
-                             f"{len(classes)} layers (0-{len(classes) - 1})")
-        heads, dim = self.text_config.num_key_value_heads, head_dim(self.text_config)
-        for t in {t for r in self.method.recipes() for t in r.transforms}:
-            t.check(heads, dim)
+        classes = check_fits_model(self.method, config)
         keeps = [r.keep for r in self.method.recipes()]
         self._scope = None
         # the hook gathers keep scores, and aligns the mask of layers whose keep policies differ

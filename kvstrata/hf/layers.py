@@ -45,6 +45,7 @@ class CompressedLayer(CacheLayerMixin):
         self.fitted: Fitted | None = None  # the key transforms and their state, set by the first flush
         self.cumulative_length = 0
         self.known_until = 0  # positions below this are already held (bounded replay): not appended again
+        self.rebuilding = False  # a sliding layer after `start_replay`: its next append is its prefill
         self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
         # (generation, n): the last update's K/V began with n rows from encoded storage
         self.read_prefix = (0, 0)
@@ -91,7 +92,8 @@ class CompressedLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"{self.recipe.keep.name} needs the prefill's attention scores, which kvstrata's attention "
                 "gathers (CompressedCache selects it on the model's config); this model attended without it")
-        first = self.cumulative_length == 0
+        first = self.cumulative_length == 0 or self.rebuilding
+        self.rebuilding = False
         view = None
         if offer and self.reads_views and key_states.shape[-2] == 1 and not first:
             view, past_k, past_v = self.view(), self.keys, self.values
@@ -244,11 +246,13 @@ class CompressedLayer(CacheLayerMixin):
         return stored + query_length - skip, max(0, self.cumulative_length + skip - stored)
 
     def start_replay(self, position: int) -> None:
-        """Bounded replay: this layer holds (or will rebuild) its tokens; positions from `position`
+        """A replay: this layer holds (or will rebuild) its tokens; positions from `position`
         are fed again. Full layers keep what they hold and do not append the replayed tokens;
-        sliding layers start empty and rebuild their window from the replayed tokens."""
+        sliding layers start empty and rebuild their window from the replayed tokens, encoding it as a
+        prefill does (a ragged last key group included), so the window is held as a cold run's is."""
         if not self.is_sliding:
             self.known_until = self.cumulative_length
+        self.rebuilding = self.is_sliding
         self.cumulative_length = position
         self.generation += 1
 
@@ -263,7 +267,7 @@ class CompressedLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.is_initialized = False
         self.cumulative_length = 0
-        self.pending_keep = self.at_prefill = False
+        self.pending_keep = self.at_prefill = self.rebuilding = False
         self.generation += 1
 
     def crop(self, tokens_to_remove: int) -> None:

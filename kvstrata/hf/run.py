@@ -34,6 +34,22 @@ def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 1,
     return out.logits
 
 
+def decode_steps(model, cache, logits: torch.Tensor, steps: int, spec: str | MethodSpec = "bf16",
+                 forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """`steps` greedy decode steps from a prompt's `cache` and next-token `logits: [1, vocab]`, each
+    step one token read as `spec` says (top-k reads included), as a server decodes. With `forced`
+    those tokens are fed instead (another run's greedy tokens: where this cache would choose
+    otherwise). Returns the tokens fed and the logits before each, `[steps, vocab]`."""
+    tokens: list[int] = []
+    rows = [logits[0]]
+    with torch.inference_mode(), reading(model, cache, spec):
+        for i in range(steps):
+            tokens.append(int(rows[-1].argmax()) if forced is None else forced[i])
+            if i + 1 < steps:
+                rows.append(forward(model, torch.tensor([tokens[-1:]]), cache)[0, -1])
+    return tokens, torch.stack(rows)
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far (MiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

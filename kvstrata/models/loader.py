@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from kvstrata.hf.cache import check_fits_model
+from kvstrata.methods import MethodSpec, check_store, parse_method
 from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
 from kvstrata.models.tiny import save_tiny, tiny_config
 
@@ -126,11 +128,33 @@ def resolve(name_or_path: str) -> Path:
 
 def load(name_or_path: str, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) in eval mode; offline only."""
-    set_threads()
     path = resolve(name_or_path)
+    return load_model(path, dtype), load_tokenizer(path)
+
+
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32):
+    """The model alone, in eval mode (for a command that checked its input with the tokenizer and the
+    config first: loading the weights is the slow part)."""
+    set_threads()
+    path = resolve(str(name_or_path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.eval()
-    return model, load_tokenizer(path)
+    return model
+
+
+def load_config(name_or_path: str | Path):
+    """The model's transformers config, from its config.json alone (no weights are read)."""
+    return AutoConfig.from_pretrained(resolve(str(name_or_path)), local_files_only=True)
+
+
+def check_method(name_or_path: str, text: str, store: bool = False) -> MethodSpec:
+    """The method spec `text`, parsed, then refused unless it fits the model's shape (and, with `store`,
+    unless the persistent store can hold it): from the config alone, so before any weights load."""
+    spec = parse_method(text)
+    if store:
+        check_store(spec)
+    check_fits_model(spec, load_config(name_or_path))
+    return spec
 
 
 def load_tokenizer(name_or_path: str | Path):

@@ -5,7 +5,10 @@ bounded replay.
           prompt runs.
 - replay: global KV hit, SWA state gone: the last `n_win` tokens of the cached prefix run again,
           full-attention layers reading the cached global KV (and not re-appending it), sliding
-          layers rebuilding their window from the replayed tokens -- never a full prefill.
+          layers rebuilding their window from the replayed tokens -- never a full prefill. By
+          default `n_win` is two sliding windows (bounded: an approximation, see
+          `exact_replay_tokens`); `n_win="exact"` replays the sliding layers' whole receptive field,
+          so the rebuilt windows are what a replay of the whole prefix would give.
 - miss:   full prefill.
 New complete blocks (global KV) and the SWA state at the last block boundary are written back.
 Records carry the codes as the cache held them (`kvstrata.place.block_format`): a write cuts
@@ -19,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -42,6 +46,34 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
+EXACT = "exact"
+ReplayTokens = int | Literal["exact"] | None  # how many tokens a replay reruns (None: 2 sliding windows)
+
+
+def exact_replay_tokens(classes: list[tuple[str, int | None]]) -> int:
+    """Tokens a replay must rerun so every sliding layer's rebuilt window is exact: the sum over
+    sliding layers of `window - 1`. A token's K/V at the k-th sliding layer depends, through the
+    k - 1 sliding layers below it, on tokens up to (k - 1)(window - 1) back (full layers read the
+    cached global KV, so they add nothing); the window held at the prefix's end reaches window - 1
+    further back. One token fewer changes the last sliding layer's window."""
+    return sum(w - 1 for c, w in classes if c == "sliding")
+
+
+def replay_window(classes: list[tuple[str, int | None]], n_win: ReplayTokens) -> int:
+    """`n_win` as a token count: "exact" (`exact_replay_tokens`), None (two of the longest sliding
+    window: bounded), or a count of at least one sliding window."""
+    windows = [w for c, w in classes if c == "sliding"]
+    if n_win == EXACT:
+        return exact_replay_tokens(classes)
+    if n_win is None:
+        return 2 * max(windows, default=0)
+    if isinstance(n_win, str) or n_win < 0:
+        raise ValueError(f"n_win must be a token count >= 0 or {EXACT!r}, got {n_win!r}")
+    if windows and n_win < max(windows):
+        raise ValueError(f"n_win must be >= the sliding window ({max(windows)}), got {n_win}")
+    return n_win
+
+
 @dataclass(kw_only=True)
 class Served:
     cache: CompressedCache
@@ -55,17 +87,14 @@ class Served:
 
 class PrefixServer:
     def __init__(
-        self, model, store: KVStore, method: str = "bf16", block_size: int = 256, n_win: int | None = None,
+        self, model, store: KVStore, method: str = "bf16", block_size: int = 256, n_win: ReplayTokens = None,
         tenant: bytes = b"", fingerprint: str | None = None,
     ):
         self.model, self.store, self.block, self.tenant = model, store, block_size, tenant
         self.spec = parse_method(method)
         check_store(self.spec)
         self.classes = layer_classes(model.config)
-        windows = [w for c, w in self.classes if c == "sliding"]
-        self.n_win = n_win if n_win is not None else 2 * max(windows, default=0)
-        if windows and self.n_win < max(windows):
-            raise ValueError(f"n_win must be >= the sliding window ({max(windows)}), got {self.n_win}")
+        self.n_win = replay_window(self.classes, n_win)
         self.dtype = next(model.parameters()).dtype
         fp = fingerprint or model_fingerprint(model.config.to_dict(), weights_digest(model))
         self.ns = namespace(fp, render(self.spec), str(self.dtype))
@@ -151,8 +180,8 @@ class PrefixServer:
                     install(layer, [windows[i]] if windows is not None else [], start, like)
                 else:
                     install(layer, [r[i] for r in records], P, like)
-                    if kind is ServeKind.REPLAY:
-                        layer.start_replay(start)
+                if kind is ServeKind.REPLAY:
+                    layer.start_replay(start)
         except ValueError:
             return CompressedCache(self.model.config, self.spec), 0, ServeKind.MISS, 0
         return cache, start, kind, P

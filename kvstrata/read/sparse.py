@@ -63,6 +63,11 @@ class TopK:
             )
         self.modes(1)
 
+    def check(self, head_dim: int) -> None:
+        """Refuse a model shape this read cannot work on: the lowrank indexer keeps at most head_dim dims."""
+        if self.indexer == "lowrank" and self.rank > head_dim:
+            raise ValueError(f"topk: rank must be in 1..{head_dim} (the head dim), got {self.rank}")
+
     def modes(self, n_layers: int) -> list[str]:
         """The schedule unrolled over `n_layers` full-attention layers; always starts with Full."""
         parts = re.findall(r"([FRU])(\d+)", self.schedule.upper())

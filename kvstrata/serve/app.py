@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kvstrata.names import Retention
 from kvstrata.serve.auth import APIKeys, tenant_salt
@@ -85,6 +86,12 @@ def create_app(rt: Runtime) -> FastAPI:
             error_body(e.status_code, str(e.detail)), status_code=e.status_code, headers=e.headers
         )
 
+    @app.exception_handler(ClientDisconnect)
+    async def _hung_up(request, e: ClientDisconnect):
+        # the client left before its body arrived: nothing to answer, nothing went wrong here
+        log.info("%s: the client hung up before its request body arrived", request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):
         log.exception("unexpected error")
@@ -94,9 +101,11 @@ def create_app(rt: Runtime) -> FastAPI:
     async def health():
         waiting, active = rt.worker.load()
         pending = rt.store.pending if rt.store is not None else 0
+        problems = rt.store.problems() if rt.store is not None else []
         return {
-            "status": "ok", "model": rt.cfg.name, "store": rt.store is not None, "pending_writes": pending,
-            "waiting": waiting, "active": active,
+            "status": "degraded" if problems else "ok", "model": rt.cfg.name, "store": rt.store is not None,
+            "pending_writes": pending, "waiting": waiting, "active": active,
+            **({"store_problems": problems} if problems else {}),
         }
 
     @app.get("/metrics")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstrata.names import Retention
+from kvstrata.place.prefix_server import EXACT, ReplayTokens
 
 RETENTIONS = tuple(r.value for r in Retention)
 
@@ -26,7 +27,9 @@ class ServeConfig:
     max_queue: int = 16  # requests waiting beyond those; one more is answered 429
     request_timeout_s: float = 300.0  # deadline per request, from its arrival
     default_max_tokens: int = 256  # when a request names none (capped by the context left)
-    replay_tokens: int | None = None  # tokens replayed on an SWA miss (default: 2 sliding windows)
+    # tokens replayed on an SWA miss: a count, "exact" (the sliding layers' receptive field: answers
+    # equal a full recompute's) or None (2 sliding windows: bounded, approximate)
+    replay_tokens: ReplayTokens = None
     default_retention: str = "24h"  # retention class of requests that name none
     memory_global_gb: float = 1.0  # RAM for global KV of `prompt_cache_retention: "in_memory"` requests
     max_body_bytes: int = 8 << 20
@@ -39,8 +42,9 @@ class ServeConfig:
             (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
             (self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}"),
             (self.default_max_tokens >= 1, f"default_max_tokens must be >= 1, got {self.default_max_tokens}"),
-            (self.replay_tokens is None or self.replay_tokens >= 0, "replay_tokens must be >= 0, got "
-                                                                    f"{self.replay_tokens}"),
+            (self.replay_tokens in (None, EXACT) or (isinstance(self.replay_tokens, int)
+                                                     and self.replay_tokens >= 0),
+             f"replay_tokens must be a count >= 0 or {EXACT!r}, got {self.replay_tokens!r}"),
             (self.default_retention in RETENTIONS, f"default_retention must be one of {RETENTIONS}, got "
                                                    f"{self.default_retention!r}"),
             (self.memory_global_gb > 0, f"memory_global_gb must be > 0, got {self.memory_global_gb}"),

@@ -148,10 +148,14 @@ class ChatRequest(_Sampling):
 
 def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:
     """The request body as `schema`, or a 400 naming the first field that is wrong."""
+    twice: list[str] = []
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, object_pairs_hook=lambda pairs: _object(pairs, twice))
     except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, integers past Python's digit limit
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if twice:
+        param, key = _first_twice(body)
+        raise APIError(400, f"{param}: the key {key!r} is given twice in one JSON object", param=param)
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     try:
@@ -164,6 +168,39 @@ def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+
+
+class _Twice(dict):
+    """A JSON object that gave the key `twice` more than once (the first value kept, for the search)."""
+
+    twice = ""
+
+
+def _object(pairs: list[tuple[str, Any]], twice: list[str]) -> dict:
+    """`json.loads`' object hook: the object, marked (and noted in `twice`) when a key repeats -- a
+    duplicate is refused, not silently resolved last-wins as JSON parsers do."""
+    obj: dict = {}
+    for key, value in pairs:
+        if key in obj:
+            marked = _Twice(obj)
+            marked.twice = key
+            twice.append(key)
+            return marked
+        obj[key] = value
+    return obj
+
+
+def _first_twice(body: Any) -> tuple[str, str]:
+    """(dotted path such as `messages.0.role`, key) of the first repeated key in `body`, searched
+    without recursion (a body may nest deeply)."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, _Twice):
+            return f"{where}{node.twice}", node.twice
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend((v, f"{where}{k}.") for k, v in reversed(list(items)))
+    raise AssertionError("a repeated key was noted but is not in the body")
 
 
 def _path(loc: tuple) -> list[str]:

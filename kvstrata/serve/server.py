@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 
-from kvstrata.methods import parse_method
-from kvstrata.models import load
-from kvstrata.models.loader import check
+from kvstrata.models import check_method, load
 from kvstrata.place.config import StoreConfig
 from kvstrata.serve.app import Runtime, create_app
 from kvstrata.serve.auth import APIKeys
@@ -20,14 +19,37 @@ from kvstrata.serve.worker import Worker
 from kvstrata.serve.write_behind import WriteBehindStore
 
 
+def check_address(host: str, port: int) -> None:
+    """Refuse (ValueError) a host that does not resolve, or an address this process cannot listen on,
+    before the model loads: each address the host resolves to is bound as uvicorn binds it, then closed."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} does not resolve ({getattr(e, 'strerror', None) or e})") from None
+    socks = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            s = socket.socket(family, kind, proto)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(addr)
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+    finally:
+        for s in socks:
+            s.close()
+
+
 def build(cfg: ServeConfig):
     """The ASGI app for `cfg` and a line saying where its store is; settings are checked and the store
     opened (its root, secret, Redis) before the model loads."""
 
     store_cfg = StoreConfig.load(cfg.store_config or None)
     keys = APIKeys.from_file(cfg.api_key_file)
-    parse_method(cfg.method)
-    check(cfg.model)
+    check_method(cfg.model, cfg.method, store=cfg.use_store)
+    check_address(cfg.host, cfg.port)
     store = WriteBehindStore.open(store_cfg, int(cfg.memory_global_gb * 2**30)) if cfg.use_store else None
     model, tok = load(cfg.model)
     sessions = Sessions(model, cfg.method, store, store_cfg.block_size, cfg.replay_tokens)

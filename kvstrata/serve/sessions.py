@@ -1,9 +1,10 @@
 """Serving a prompt for the model worker: through the persistent store, or uncached (the baseline).
 
 With the store, each tenant salt gets its own `PrefixServer` (same model, store, method and model
-fingerprint; computed once) -- longest global-KV prefix hit, SWA state when live, bounded replay
-when not, full prefill on a miss. Without it, every prompt is one full prefill and nothing is
-written: what a server without kvstrata's store does, for `serve-bench`'s ratio.
+fingerprint; computed once) -- longest global-KV prefix hit, SWA state when live, a replay when not
+(bounded, or `replay_tokens="exact"`: the sliding layers' whole receptive field), full prefill on a
+miss. Without it, every prompt is one full prefill and nothing is written: what a server without
+kvstrata's store does, for `serve-bench`'s ratio.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
 from kvstrata.names import Retention, ServeKind
 from kvstrata.place.prefix_keys import model_fingerprint
-from kvstrata.place.prefix_server import PrefixServer, Served, weights_digest
+from kvstrata.place.prefix_server import PrefixServer, ReplayTokens, Served, weights_digest
 from kvstrata.serve.write_behind import WriteBehindStore
 
 MAX_TENANTS = 4096  # PrefixServers kept; one is cheap to rebuild (no weight hashing)
@@ -26,7 +27,7 @@ MAX_TENANTS = 4096  # PrefixServers kept; one is cheap to rebuild (no weight has
 
 class Sessions:
     def __init__(self, model, method: str, store: WriteBehindStore | None, block_size: int = 256,
-                 replay_tokens: int | None = None):
+                 replay_tokens: ReplayTokens = None):
         self.model, self.store, self.block, self.n_win = model, store, block_size, replay_tokens
         self.method = method
         self.spec = parse_method(method)

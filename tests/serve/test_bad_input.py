@@ -77,6 +77,13 @@ CASES = [
         "body over the size limit", "POST", "/completions", b'{"prompt": "' + b"x" * (9 << 20) + b'"}', 413,
         None,
     ),
+    ("key given twice", "POST", "/completions", b'{"model": "tiny", "model": "other", "prompt": "x"}', 400,
+     "model"),
+    (
+        "nested key given twice", "POST", "/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "a", "content": "b"}]}', 400,
+        "messages.0.content",
+    ),
     ("GET on a POST route", "GET", "/completions", None, 405, None),
     ("unknown path", "POST", "/embeddings", OK, 404, None),
 ]

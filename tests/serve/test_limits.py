@@ -2,6 +2,7 @@
 isolation across keys, the bounded queue (429 + Retry-After), the per-request deadline, and a
 client that disconnects mid-stream."""
 
+import socket
 import threading
 
 import httpx
@@ -101,3 +102,25 @@ def test_disconnected_client_stops_its_generation(server):
     assert server.metric("kvstrata_requests_finished_total", reason="cancelled") == before + 1
     assert server.metric("kvstrata_generated_tokens_total") - generated < 4000
     assert server.health()["active"] == 0
+
+
+def test_a_client_hanging_up_mid_body_is_quiet(server):
+    """Content-Length 1000, 10 bytes, then the socket closes: no traceback in the server's log, no 500."""
+
+    def answered() -> tuple[float, float]:
+        return tuple(server.metric("kvstrata_http_requests_total", status=s) for s in ("499", "500"))
+
+    before = answered()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(head.encode() + b'{"model": ')
+    for _ in range(200):  # until the server has handled it (a 499 now; a 500 and two tracebacks before)
+        if sum(answered()) > sum(before):
+            break
+        threading.Event().wait(0.05)
+    threading.Event().wait(0.5)  # anything it logs after the answer, too
+    log = server.log_tail(100_000)
+    assert "Traceback" not in log and "unexpected error" not in log and "ClientDisconnect" not in log
+    assert answered() == (before[0] + 1, before[1])
+    assert server.health()["status"] == "ok"

@@ -1,6 +1,7 @@
 """The server's parts in-process: streaming text with stop sequences, sampling, tenant salts, the
 write-behind store."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from kvstrata.place.memory import MemoryTier
 from kvstrata.serve.auth import APIKeys, tenant_salt
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
+from kvstrata.serve.schemas import ChatRequest, CompletionRequest, parse
 from kvstrata.serve.streaming import TextStream
 from kvstrata.serve.write_behind import WriteBehindStore
 
@@ -63,6 +65,24 @@ def test_tenant_salt_binds_key_and_cache_salt():
             raise AssertionError(f"{bad!r} accepted")
         except APIError as e:
             assert e.status == 401
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"model": "a", "model": "b", "prompt": "x"}', "model"),
+    (b'{"model": "a", "prompt": "x", "stream_options": {"include_usage": true, "include_usage": false}}',
+     "stream_options.include_usage"),
+    (b'{"model": "a", "messages": [{"role": "user", "content": "x"}, {"role": "user", "role": "system"}]}',
+     "messages.1.role"),
+    (b'{"model": "a", "prompt": "x", "extra": [[{"deep": {"k": 1, "k": 2}}]]}', "extra.0.0.deep.k"),
+])
+def test_a_key_given_twice_is_refused_at_any_depth(raw, param):
+    schema = ChatRequest if b"messages" in raw else CompletionRequest
+    with pytest.raises(APIError) as e:
+        parse(raw, schema)
+    assert e.value.status == 400 and e.value.param == param
+    assert e.value.message == f"{param}: the key {param.split('.')[-1]!r} is given twice in one JSON object"
+    same_key_apart = b'{"model": "a", "prompt": "x", "extra": {"k": 1, "j": {"k": 2}}}'
+    assert parse(same_key_apart, CompletionRequest).model == "a"
 
 
 def test_write_behind_reads_its_own_writes_and_keeps_retention_classes(tmp_path):

@@ -14,15 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.attention import stock_attention
 from kvstrata.hf.probe import probing
-from kvstrata.hf.run import forward, peak_rss_mb  # noqa: F401 (the bench's rows report it)
+from kvstrata.hf.run import forward, peak_rss_mb, prefill_chunked  # noqa: F401 (the bench's rows report it)
 from kvstrata.hf.topk_attention import reading
 from kvstrata.keep import window_rows
 from kvstrata.methods import MethodSpec
+from kvstrata_lab.bench.needles import PickLog, answer_spans, selected_share
 from kvstrata_lab.bench.tasks import Question
 
 
@@ -39,13 +41,21 @@ class Prefill:
     queries: list[torch.Tensor] | None = None  # per layer, the window's queries [b, q_heads, w, d]
 
 
-def prefill(model, ids: torch.Tensor, window: int = 32) -> Prefill:
-    """Prefill `ids: [1, n]`; the last `window` tokens run with eager attention to expose scores."""
+def prefill(model, ids: torch.Tensor, window: int = 32, chunk: int | None = None,
+            progress: bool = False) -> Prefill:
+    """Prefill `ids: [1, n]`; the last `window` tokens run with eager attention to expose scores.
+    `chunk`: the tokens before the window are fed `chunk` at a time (None: in one pass), so a long
+    context never builds its whole attention at once; `progress` shows a bar over the chunks."""
     cache = DynamicCache(config=model.config)
     n = ids.shape[1]
     w = min(window, n - 1)
     t0 = time.perf_counter()
-    forward(model, ids[:, : n - w], cache)
+    if chunk is None:
+        forward(model, ids[:, : n - w], cache)
+    else:
+        starts = range(0, n - w, chunk)
+        for start in tqdm(starts, desc=f"prefill {n:,}", unit="chunk", disable=not progress, leave=False):
+            prefill_chunked(model, cache, ids[:, start : min(start + chunk, n - w)], chunk)
     with probing(model) as rec:
         forward(model, ids[:, n - w :], cache)
     seconds = time.perf_counter() - t0
@@ -82,11 +92,19 @@ def _modes(cache: CompressedCache) -> dict:
     return {"head_modes": modes, "head_mode_map": cache.head_mode_map()} if modes else {}
 
 
-def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) -> dict:
-    """Answer `question` from `spec`'s cache of the prefilled context; output text and costs."""
+def ask(
+    model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question, context: str | None = None
+) -> dict:
+    """Answer `question` from `spec`'s cache of the prefilled context; output text and costs. With
+    the `context` text and a top-k read that keeps every token (no keep policy: cache positions are
+    the context's), also `needle_selected`: per answer, the share of (decode step, full-attention
+    layer, KV head) selections that held a whole occurrence of it (`kvstrata_lab.bench.needles`)."""
     cache, compress_s = build_cache(model, pre, spec)
     kv_bytes = cache.nbytes()["total"]
+    trace = context is not None and not any(r.keep is not None for r in spec.recipes())
     with reading(model, cache, spec) as sparse:
+        if sparse is not None and trace:
+            sparse.picked = PickLog()  # every step's picks, not only the last
         res = with_costs(
             greedy(model, tokenizer, cache, question, lambda: cache.nbytes()["total"]), kv_bytes,
             compress_s, **_modes(cache),
@@ -95,6 +113,9 @@ def ask(model, tokenizer, pre: Prefill, spec: MethodSpec, question: Question) ->
         # sparse reads count index rows scanned + entries gathered (full-attention layers), plus
         # what the layers that stay dense (sliding windows) hold
         res["bytes_read_per_step"] = _sparse_bytes(sparse, cache, res["dense_bytes_read_per_step"])
+    if sparse is not None and trace:
+        spans = answer_spans(tokenizer, context, question.answers)
+        res["needle_selected"] = selected_share(sparse.picked.steps, spans)
     return res
 
 

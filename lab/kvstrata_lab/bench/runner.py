@@ -19,6 +19,7 @@ from kvstrata.models import load
 from kvstrata.read.kernels import cpu
 from kvstrata_lab.bench import protocol
 from kvstrata_lab.bench.config import DEFAULT_METHODS, QUICK, BenchConfig  # noqa: F401 (the runner's settings)
+from kvstrata_lab.bench.needles import selection_cause
 from kvstrata_lab.bench.peers import is_peer, parse_peer, qcache
 from kvstrata_lab.bench.peers.worker_client import run_kvpress
 from kvstrata_lab.bench.rows import done_keys
@@ -125,7 +126,7 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
                     if peer
                     else protocol.ask_dynamic(model, tok, pre, q)
                     if method == protocol.DYNAMIC
-                    else protocol.ask(model, tok, pre, specs[method], q)
+                    else protocol.ask(model, tok, pre, specs[method], q, context=inst.context)
                     for q in inst.questions
                 ]
                 answered(row, inst, answers)
@@ -174,6 +175,11 @@ def answered(row: dict, inst, answers: list[dict]) -> dict:
         output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
         probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], inst.task),
     )
+    if "needle_selected" in main:  # a top-k read: did its selections hold the needle?
+        row["needle_selected"] = main["needle_selected"]
+        row["failure_cause"] = selection_cause(
+            row["failure"], main["output"], inst.questions[0].answers, main["needle_selected"]
+        )
     return row
 
 

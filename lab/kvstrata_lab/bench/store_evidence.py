@@ -24,7 +24,7 @@ import torch
 from kvstrata.accounting import account_hf
 from kvstrata.hf.cache import layer_classes
 from kvstrata.hf.run import forward
-from kvstrata.models import load
+from kvstrata.models import load, load_config
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
@@ -55,12 +55,28 @@ def check_tokens(tokens: int, block: int) -> None:
         )
 
 
+def kl_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(ref || got) in nats per row of log-probabilities `[..., vocab]`."""
+    return (ref.exp() * (ref - got)).sum(-1)
+
+
 def _compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
-    kl = (ref.exp() * (ref - got)).sum(-1)
+    kl = kl_rows(ref, got)
     return {
         "kl_mean": kl.mean().item(), "kl_first": kl[0].item(),
         "top1": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
     }
+
+
+def sliding_windows(config) -> list[int]:
+    """The model's sliding windows, refused (ValueError) when it has none: their state is what a
+    replay rebuilds, so the evidence needs them (read from the config: checkable before the weights load)."""
+    sliding = [w for c, w in layer_classes(config) if c == "sliding"]
+    if not sliding:
+        raise ValueError(
+            "store-bench needs a model with sliding-window layers (their state is what a replay rebuilds)"
+        )
+    return sliding
 
 
 def replay_and_ttft(
@@ -69,12 +85,7 @@ def replay_and_ttft(
 ) -> dict:
     """Serve a `tokens`-token prompt cold, warm and after an SWA miss (replays of `windows` sliding
     windows); score each against the exact recompute over the 32 tokens that follow the prompt."""
-    sliding = [w for c, w in layer_classes(model.config) if c == "sliding"]
-    if not sliding:
-        raise ValueError(
-            "store-bench needs a model with sliding-window layers (their state is what a replay rebuilds)"
-        )
-    window = max(sliding)
+    window = max(sliding_windows(model.config))
     check_tokens(tokens, block)
     ids = natural_ids(tok, tokens + CONTINUATION, seed=7)
     prompt, cont = ids[:tokens], ids[tokens:]
@@ -216,6 +227,7 @@ def trace_from_measurements(model, result: dict, method: str) -> dict:
 def run(model_name: str, tokens: int, out: Path, method: str = "bf16") -> dict:
 
     check_tokens(tokens, BLOCK)  # before the model loads
+    sliding_windows(load_config(model_name))
     model, tok = load(model_name)
     result = {"model": model_name, **replay_and_ttft(model, tok, tokens, method=method)}
     size = 512 * 1024  # about one 256-token block of Gemma-3-270M global KV in bf16

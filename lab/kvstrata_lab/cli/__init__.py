@@ -4,9 +4,9 @@ check, and the evidence commands behind docs/results. Each module registers its 
 
 from __future__ import annotations
 
-from kvstrata_lab.cli import bench, evidence, passkey, serve_bench, tune
+from kvstrata_lab.cli import bench, evidence, passkey, serve_bench, soak, sparse_recall, tune
 
-MODULES = (passkey, bench, tune, evidence, serve_bench)
+MODULES = (passkey, bench, tune, evidence, sparse_recall, serve_bench, soak)
 
 
 def register(sub) -> None:

@@ -50,8 +50,9 @@ def register(sub) -> None:
 
 
 def bench(args) -> int:
-    from kvstrata.cli.inputs import check_context, csv_items, length_arg, split_methods
+    from kvstrata.cli.inputs import check_context, csv_items, length_arg, split_methods, writable_dir
     from kvstrata.methods import parse_method
+    from kvstrata.models import check_method
     from kvstrata.models.loader import check as check_model
     from kvstrata_lab.bench.config import QUICK
     from kvstrata_lab.bench.peers import DEFAULT_PEERS, parse_peer
@@ -87,6 +88,10 @@ def bench(args) -> int:
         )
     for name, L in pairs:
         check_context(name, L, "--lengths" if not args.model or "@" not in args.model else "--model")
+    for name in dict.fromkeys(p[0] for p in pairs):
+        for m in methods:
+            if m != "dynamic":
+                check_method(name, m)  # a spec this model's shape cannot take
     cfg = BenchConfig(
         models=tuple(p[0] for p in pairs),
         lengths=lengths,
@@ -96,7 +101,7 @@ def bench(args) -> int:
         n=args.n if args.n is not None else q.get("n", base.n),
         seed=args.seed,
         haystack=args.haystack,
-        out=Path(args.out),
+        out=writable_dir(args.out, "--out"),
         peers=tuple(peers),
     )
     path = run(cfg)

@@ -14,7 +14,6 @@ from kvstrata.cli.inputs import (
     csv_items,
     int_in,
     length_arg,
-    parse_method_early,
     split_methods,
 )
 
@@ -27,6 +26,25 @@ def register(sub) -> None:
     sb.add_argument("--method", default="bf16")
     sb.add_argument("--out", default="docs/results/store")
     sb.set_defaults(func=cmd_store_bench)
+
+    rc = sub.add_parser("replay-check", help="hit, bounded replays (1/2/4 windows) and exact replay against "
+                                             "a cold run: KL, greedy agreement, TTFT")
+    rc.add_argument("--model", default="gemma3-270m")
+    rc.add_argument("--method", default="bf16")
+    rc.add_argument("--prompts", type=int_in(1, 10_000), default=3, help="random prompts (natural text)")
+    rc.add_argument("--tokens", type=int_in(2, BIG), default=2048, help="each prompt's length")
+    rc.add_argument("--splits", type=int_in(1, 10_000), default=2,
+                    help="random split points per prompt (where the turn before ended)")
+    rc.add_argument("--turn-tokens", type=int_in(1, BIG), default=64,
+                    help="tokens the turn after the split adds")
+    rc.add_argument("--new-tokens", type=int_in(1, 100_000), default=16,
+                    help="decode steps compared with the cold run's")
+    rc.add_argument("--windows", default="1,2,4",
+                    help="bounded replays, in sliding windows (comma-separated)")
+    rc.add_argument("--block", type=int_in(1, 1 << 20), default=256, help="tokens per stored block")
+    rc.add_argument("--seed", type=SEED, default=0)
+    rc.add_argument("--out", default="docs/results/replay-check")
+    rc.set_defaults(func=cmd_replay_check)
 
     ds = sub.add_parser("depth-similarity", help="adjacent-layer KV similarity per head (heat maps)")
     ds.add_argument("--model", default="smollm2-135m,gemma3-270m")
@@ -93,12 +111,33 @@ def register(sub) -> None:
 
 
 def cmd_store_bench(args) -> int:
+    from kvstrata.models import check_method
     from kvstrata_lab.bench.store_evidence import run
 
-    parse_method_early(args.method)
+    check_method(args.model, args.method, store=True)  # the evidence serves through the store
     check_context(args.model, args.tokens + 32, "--tokens (+ 32 continuation tokens)")
     result = run(args.model, args.tokens, Path(args.out), args.method)
     print(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_replay_check(args) -> int:
+    from kvstrata.models import check_method
+    from kvstrata_lab.bench.replay_check import ReplayCheckConfig, run
+
+    check_method(args.model, args.method, store=True)  # every mode serves through the store
+    if args.tokens - args.turn_tokens <= args.block:
+        raise ValueError(f"--tokens {args.tokens}: minus --turn-tokens {args.turn_tokens}, the turn before "
+                         f"the split must be longer than one {args.block}-token block to be stored")
+    check_context(args.model, args.tokens + args.new_tokens, "--tokens (+ --new-tokens)")
+    windows = tuple(int(w) if w.isdigit() and int(w) >= 1 else 0 for w in csv_items(args.windows))
+    if not windows or 0 in windows:
+        raise ValueError(f"--windows: expected whole numbers of sliding windows >= 1, got {args.windows!r}")
+    cfg = ReplayCheckConfig(model=args.model, method=args.method, prompts=args.prompts, tokens=args.tokens,
+                            splits=args.splits, turn_tokens=args.turn_tokens, new_tokens=args.new_tokens,
+                            windows=windows, block=args.block, seed=args.seed)
+    run(cfg, Path(args.out))
+    print((Path(args.out) / "replay_check.md").read_text(), end="")
     return 0
 
 
@@ -215,18 +254,17 @@ def cmd_kernels_bench(args) -> int:
 
 
 def cmd_memory_bench(args) -> int:
-    from kvstrata.models.loader import check as check_model
+    from kvstrata.models import check_method
     from kvstrata_lab.bench import memory
 
     methods = split_methods(args.methods)
     for m in methods:
-        parse_method_early(m)
+        check_method(args.model, m)
     chunks = []
     for x in csv_items(args.chunks):
         if not x.isdigit():
             raise ValueError(f"--chunks: {x!r} is not a whole number of tokens (0 = one pass)")
         chunks.append(int(x))
-    check_model(args.model)
     check_context(args.model, args.tokens + 8, "--tokens")
     print(f"results: {memory.run(args.model, args.tokens, methods, chunks, Path(args.out))}")
     return 0

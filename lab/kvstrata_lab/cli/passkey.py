@@ -20,15 +20,19 @@ def run(args) -> int:
     from kvstrata.cli.inputs import check_context, check_fits
     from kvstrata.hf.run import generate
     from kvstrata.methods import parse_method
-    from kvstrata.models import load
+    from kvstrata.models import check_method, load_config, load_model, load_tokenizer
     from kvstrata_lab.bench.passkey import passkey_prompt
 
-    specs = [parse_method(m) for m in args.methods.split("|")]
+    methods = args.methods.split("|")
+    for m in methods:
+        parse_method(m)  # a bad spec is named even when the model is bad too
+    specs = [check_method(args.model, m) for m in methods]
     check_context(args.model, args.tokens, "--tokens")
-    model, tok = load(args.model)
+    tok = load_tokenizer(args.model)  # the prompt is checked before the weights load
     p = passkey_prompt(tok, args.tokens, args.depth, seed=args.seed)
     ids = tok(p.context + p.question, return_tensors="pt").input_ids
-    check_fits(model, ids.shape[1], 8, "the passkey prompt", "the answer")
+    check_fits(load_config(args.model), ids.shape[1], 8, "the passkey prompt", "the answer")
+    model = load_model(args.model)
     print(f"{args.model}: {ids.shape[1]} tokens, needle {p.answer} at depth {args.depth}")
     for spec in specs:
         g = generate(model, tok, ids, spec, max_new_tokens=8)

@@ -47,8 +47,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from kvstrata.cli.inputs import writable_dir
     from kvstrata_lab.serve_bench.bench import run as bench
 
+    writable_dir(args.out, "--out")  # refused now, not after the load phases
     cfg = ServeBenchConfig(
         model=args.model, method=args.method, clients=args.clients, turns=args.turns,
         conversations=args.conversations, context=args.context, tool_tokens=args.tool_tokens,

@@ -46,9 +46,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from kvstrata.cli.inputs import check_context, csv_items, split_methods
+    from kvstrata.cli.inputs import check_context, csv_items, split_methods, writable_dir
     from kvstrata.methods import parse_ranges
-    from kvstrata.models.loader import check as check_model
+    from kvstrata.models import check_method
     from kvstrata_lab.bench.tune import check_plain, tune
     from kvstrata_lab.bench.tune_keep import check_keep, tune_keep
 
@@ -65,8 +65,10 @@ def run(args) -> int:
         check_keep(cfg, args.keep)
     else:
         check_plain(cfg)
-    check_model(args.model)
+    for rung in cfg.ladder:
+        check_method(args.model, rung)  # a rung the model's shape cannot take
     check_context(args.model, args.length, "--length")
+    writable_dir(cfg.out, "--out")  # as bench: refused now, not after minutes of sensitivity runs
     cert = tune_keep(cfg, args.keep) if args.keep else tune(cfg)
     held = cert["heldout"]
     delta = held["delta_vs_bf16"]

@@ -19,10 +19,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from transformers import AutoConfig
-
-from kvstrata.methods import parse_method
-from kvstrata.models import load_tokenizer, resolve
+from kvstrata.models import check_method, load_config, load_tokenizer
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.config import ServeBenchConfig
 from kvstrata_lab.serve_bench.process import ServerProcess
@@ -65,14 +62,18 @@ def _stream(oa, model: str, max_tokens: int, messages: list | None = None, promp
 class _Load:
     """Clients replaying agent conversations against one server until done or out of time."""
 
-    def __init__(self, cfg: ServeBenchConfig, scripts: Scripts, chat: bool):
+    def __init__(self, cfg: ServeBenchConfig, scripts: Scripts, chat: bool, retries: int = 0,
+                 timeout_s: float | None = None):
         self.cfg, self.scripts, self.chat = cfg, scripts, chat
+        self.retries = retries  # a failed turn is asked again once the server answers (a restart)
+        self.timeout_s = timeout_s or cfg.duration_s + 600  # a request past it is a hang
         self.records: list[dict] = []
         self.asked: list[tuple[dict, dict]] = []  # (request, record), for the answer check
         self._lock = threading.Lock()
 
     def run(self, server: ServerProcess) -> float:
-        end = time.monotonic() + self.cfg.duration_s
+        self.t0 = time.monotonic()
+        end = self.t0 + self.cfg.duration_s
         threads = [
             threading.Thread(target=self._client, args=(server, c, end)) for c in range(self.cfg.clients)
         ]
@@ -86,9 +87,7 @@ class _Load:
     def _client(self, server: ServerProcess, cid: int, end: float) -> None:
         import openai  # optional dependency (the serve extra)
 
-        oa = openai.OpenAI(
-            base_url=server.base_url, api_key="none", max_retries=0, timeout=self.cfg.duration_s + 600
-        )
+        oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=self.timeout_s)
         for conv in range(self.cfg.conversations):
             script, answers = self.scripts.script(cid, conv), []
             messages = [{"role": "system", "content": script.system}]
@@ -101,8 +100,8 @@ class _Load:
                     if self.chat
                     else {"prompt": script.transcript(answers, turn)}
                 )
-                rec = _stream(oa, server.name, self.cfg.max_tokens, **request)
-                rec.update(client=cid, conversation=conv, turn=turn + 1)
+                rec = self._ask(oa, server, request)
+                rec.update(client=cid, conversation=conv, turn=turn + 1, at_s=time.monotonic() - self.t0)
                 with self._lock:
                     self.records.append(rec)
                     if not rec["error"]:
@@ -111,6 +110,17 @@ class _Load:
                     break  # this conversation cannot go on without its answer
                 answers.append(rec["text"])
                 messages.append({"role": "assistant", "content": rec["text"]})
+
+
+    def _ask(self, oa, server: ServerProcess, request: dict) -> dict:
+        """One turn, asked again (up to `retries` times) once the server answers /health after a failure."""
+        for attempt in range(self.retries + 1):
+            rec = _stream(oa, server.name, self.cfg.max_tokens, **request)
+            rec["attempts"] = attempt + 1
+            if not rec["error"] or attempt == self.retries:
+                return rec
+            server.wait_healthy(self.timeout_s)
+        return rec
 
 
 def _server(
@@ -176,10 +186,10 @@ def _check(cfg: ServeBenchConfig, load: _Load, server: ServerProcess) -> dict:
 TURN_OVERHEAD = 128  # tokens a turn adds beyond its tool text and answer (question, role markers), generously
 
 
-def check_fits(cfg: ServeBenchConfig, model_dir: Path) -> None:
+def check_fits(cfg: ServeBenchConfig) -> None:
     """Refuse, before any server starts, conversations or a probe that would outgrow the model's context."""
 
-    text = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config()
+    text = load_config(cfg.model).get_text_config()
     limit = int(getattr(text, "max_position_embeddings", 0) or 0) or 1 << 62
     longest = cfg.context + (cfg.turns // 2) * cfg.tool_tokens + cfg.turns * (cfg.max_tokens + TURN_OVERHEAD)
     if longest > limit:
@@ -198,8 +208,8 @@ def check_fits(cfg: ServeBenchConfig, model_dir: Path) -> None:
 
 def run(cfg: ServeBenchConfig) -> dict:
 
-    parse_method(cfg.method)  # refused here, not by the first server's exit
-    check_fits(cfg, resolve(cfg.model))
+    check_method(cfg.model, cfg.method, store=True)  # refused here, not by the first server's exit
+    check_fits(cfg)
     tok = load_tokenizer(cfg.model)
     scripts = Scripts(tok, cfg.context, cfg.turns, cfg.tool_tokens, cfg.seed)
     chat = bool(getattr(tok, "chat_template", None))

@@ -82,6 +82,17 @@ class ServerProcess:
                     total += s.value
         return total
 
+    def wait_healthy(self, timeout_s: float = 300.0) -> bool:
+        """Until /health answers (a server being restarted); False if it did not within `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                self.health()
+                return True
+            except OSError:
+                time.sleep(0.2)
+        return False
+
     def wait_written(self, timeout_s: float = 60.0) -> None:
         """Until every record the server accepted is written to its tiers."""
         end = time.monotonic() + timeout_s

@@ -1,0 +1,226 @@
+"""`kvstrata serve-soak`: the agent workload of `serve-bench` against one server whose store is a
+3-master Redis Cluster with a replica each, on loopback, while faults are injected on a schedule:
+a master SIGKILLed (its replica promoted), the server SIGKILLed and restarted on the same store,
+the masters filled (`maxmemory` set to what they hold: every write refused, the in-RAM analogue of
+a full disk) for a while. Then every answer given within a minute after a fault, and a spread
+sample of the rest, is re-asked of a store-off server and compared. Reported: wrong answers,
+requests that failed after their retries or hung past the timeout, the server's RSS over time
+against a stated bound, and the store's counters summed over both server lifetimes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvstrata.models import check_method, load_tokenizer
+from kvstrata.place import KVStore, StoreConfig
+from kvstrata_lab.serve_bench.agents import Scripts
+from kvstrata_lab.serve_bench.bench import _Load, _server, _stream, check_fits
+from kvstrata_lab.serve_bench.cluster import LoopbackCluster
+from kvstrata_lab.serve_bench.config import ServeBenchConfig
+from kvstrata_lab.serve_bench.process import ServerProcess
+
+COUNTERS = ("writes", "refused", "errors", "corrupt", "unverifiable", "hits", "misses")
+AFTER_FAULT_S = 60.0  # answers this close after a fault are all checked
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    load: ServeBenchConfig = field(default_factory=lambda: ServeBenchConfig(
+        model="smollm2-135m", method="bf16", context=1024, duration_s=1800.0, check=40, probe_tokens=0))
+    master_kill_at: float = 0.2  # share of the duration
+    server_kill_at: float = 0.45
+    fill_at: float = 0.7
+    fill_for: float = 0.1
+    retries: int = 3  # a turn failed by the server's restart is asked again
+    request_timeout_s: float = 600.0  # a request past it is a hang
+    rss_bound: float = 0.5  # allowed RSS growth over the warm level (share)
+    server_args: tuple[str, ...] = ()  # e.g. ("--replay-tokens", "64") for cold-identical replays
+
+    def __post_init__(self):
+        for name in ("master_kill_at", "server_kill_at", "fill_at"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
+        if not 0 < self.fill_for < 1 - self.fill_at:
+            raise ValueError("fill_for must be > 0 and end before the run does")
+
+
+class _Faults(threading.Thread):
+    """Runs the fault schedule against the cluster and the server; samples the server's RSS."""
+
+    def __init__(self, cfg: SoakConfig, cluster: LoopbackCluster, server: ServerProcess):
+        super().__init__(daemon=True)
+        self.cfg, self.cluster, self.server = cfg, cluster, server
+        self.events: list[dict] = []
+        self.rss: list[tuple[float, int]] = []
+        self.before_restart: dict[str, float] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        d = self.cfg.load.duration_s
+        c = self.cfg
+        plan = sorted([(c.master_kill_at * d, self._kill_master), (c.server_kill_at * d, self._restart),
+                       (c.fill_at * d, self._fill), ((c.fill_at + c.fill_for) * d, self._unfill)],
+                      key=lambda p: p[0])
+        t0 = time.monotonic()
+        while not self.done.is_set():
+            now = time.monotonic() - t0
+            while plan and plan[0][0] <= now:
+                _, action = plan.pop(0)
+                started = time.monotonic()
+                detail = action()
+                self.events.append({"at_s": round(now, 1), "event": action.__name__.strip("_"),
+                                    "took_s": round(time.monotonic() - started, 2), **detail})
+            self.rss.append((round(now, 1), _rss(self.server)))
+            self.done.wait(5.0)
+
+    def _kill_master(self) -> dict:
+        return {"port": self.cluster.kill_master()}
+
+    def _restart(self) -> dict:
+        self.before_restart = store_counters(self.server)
+        self.server.kill()
+        self.server.start()
+        return {}
+
+    def _fill(self) -> dict:
+        used = self.cluster.used_memory()
+        for port, n in used.items():
+            self.cluster.client(port).config_set("maxmemory", str(n + (64 << 10)))
+        return {"used_bytes": used}
+
+    def _unfill(self) -> dict:
+        self.cluster.set_all("maxmemory", "0")
+        return {}
+
+
+def _rss(server: ServerProcess) -> int:
+    try:
+        for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 0
+
+
+def store_counters(server: ServerProcess) -> dict[str, float]:
+    """The global tier's counters as the server's /metrics shows them."""
+    return {n: server.metric(f"kvstrata_store_{n}_total", tier="global") for n in COUNTERS}
+
+
+def _sample(records: list[tuple[dict, dict]], events: list[dict], n: int) -> list[tuple[dict, dict]]:
+    """Every later turn answered within a minute after a fault, plus a spread of `n` others."""
+    later = [(q, r) for q, r in records if r["turn"] > 1]
+    near = [(q, r) for q, r in later
+            if any(0 <= r["at_s"] - e["at_s"] <= AFTER_FAULT_S + e["took_s"] for e in events)]
+    rest = [x for x in later if x not in near]
+    return near + rest[:: max(1, len(rest) // max(n, 1))][:n]
+
+
+def run(cfg: SoakConfig, command: str = "kvstrata serve-soak") -> dict:
+    lc = cfg.load
+    check_method(lc.model, lc.method, store=True)
+    check_fits(lc)
+    tok = load_tokenizer(lc.model)
+    scripts = Scripts(tok, lc.context, lc.turns, lc.tool_tokens, lc.seed)
+    chat = bool(getattr(tok, "chat_template", None))
+    root = Path(tempfile.mkdtemp(prefix="kvstrata-soak-"))
+    secret = secrets.token_hex(32)
+    result: dict = {"config": asdict(cfg), "command": command}
+    cluster = LoopbackCluster(root / "cluster", masters=3, replicas=1).start()
+    try:
+        env = {"KVSTRATA_STORE_REDIS_URL": cluster.url, "KVSTRATA_STORE_REDIS_CLUSTER": "true",
+               "KVSTRATA_STORE_SECRET": secret, "KVSTRATA_STORE_REDIS_CHECK_SECONDS": "5"}
+        load = _Load(lc, scripts, chat, retries=cfg.retries, timeout_s=cfg.request_timeout_s)
+        with _server(lc, root, "soak", *cfg.server_args, env=env) as server:
+            faults = _Faults(cfg, cluster, server)
+            faults.start()
+            wall = load.run(server)
+            faults.done.set()
+            faults.join()
+            server.wait_written()
+            after = store_counters(server)
+        store = KVStore.from_config(StoreConfig(root=str(root / "probe"), redis_url=cluster.url,
+                                                redis_cluster=True, secret=secret))
+        result["store_at_end"] = store.verify()
+        result["counters"] = {n: faults.before_restart.get(n, 0) + after[n] for n in COUNTERS}
+        with _server(lc, root, "no_store", *cfg.server_args, "--no-store") as reference:
+            result["check"] = _compare(_sample(load.asked, faults.events, lc.check), reference, lc.max_tokens)
+        rss = _rss_report(faults.rss, lc.duration_s, cfg.rss_bound)
+        result.update(events=faults.events, wall_s=wall, rss=rss,
+                      requests=_requests(load.records, cfg.request_timeout_s))
+    finally:  # the servers' logs are part of the evidence
+        logs = Path(lc.out) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in root.glob("*.log"):
+            shutil.copy(log, logs / log.name)
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    write(result, Path(lc.out))
+    return result
+
+
+def _compare(sample: list[tuple[dict, dict]], server: ServerProcess, max_tokens: int) -> dict:
+    import openai  # optional dependency (the serve extra)
+
+    oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=3600)
+    differ = []
+    for request, rec in sample:
+        again = _stream(oa, server.name, max_tokens, **request)
+        if again.get("text") != rec["text"]:
+            differ.append({k: rec[k] for k in ("client", "turn", "at_s", "kind")})
+    return {"checked": len(sample), "differ": len(differ), "rows": differ}
+
+
+def _requests(records: list[dict], timeout_s: float) -> dict:
+    failed = [r for r in records if r["error"]]
+    return {
+        "total": len(records), "failed_after_retries": len(failed),
+        "hangs": sum("Timeout" in r["error"] for r in failed),
+        "retried": sum(r["attempts"] > 1 for r in records), "timeout_s": timeout_s,
+        "kinds": {k: sum(r.get("kind") == k for r in records) for k in ("hit", "replay", "miss")},
+        "errors": sorted({r["error"][:120] for r in failed}),
+    }
+
+
+def _rss_report(samples: list[tuple[float, int]], duration_s: float, bound: float) -> dict:
+    """RSS once warm (the first sample past 10 % of the run) and its peak after; within the bound?"""
+    warm = next((b for t, b in samples if t >= 0.1 * duration_s and b), 0)
+    peak = max((b for t, b in samples if t >= 0.1 * duration_s), default=0)
+    growth = (peak - warm) / warm if warm else None
+    return {"warm_bytes": warm, "peak_bytes": peak, "growth": growth, "bound": bound,
+            "within": growth is not None and growth <= bound, "samples": samples}
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(result, indent=1))
+    rq, ck, rss, c = result["requests"], result["check"], result["rss"], result["counters"]
+    lines = [
+        "# Soak under faults", "", f"Command: `{result.get('command', 'kvstrata serve-soak')}`", "",
+        "| what | result |", "|---|---|",
+        f"| requests | {rq['total']} ({rq['kinds']}) |",
+        f"| wrong answers (re-asked of a store-off server) | {ck['differ']} of {ck['checked']} checked |",
+        f"| failed after {result['config']['retries']} retries / hung past {rq['timeout_s']:.0f} s | "
+        f"{rq['failed_after_retries']} / {rq['hangs']} (retried: {rq['retried']}) |",
+        f"| server RSS warm → peak | {rss['warm_bytes'] / 2**20:.0f} → {rss['peak_bytes'] / 2**20:.0f} MiB "
+        f"(growth {100 * (rss['growth'] or 0):.0f} %, bound {100 * rss['bound']:.0f} %: "
+        f"{'within' if rss['within'] else 'OVER'}) |",
+        f"| global records written / refused / transport errors | {c['writes']:.0f} / {c['refused']:.0f} / "
+        f"{c['errors']:.0f} |",
+        f"| corrupt / unverifiable records met | {c['corrupt']:.0f} / {c['unverifiable']:.0f} |",
+        f"| records in the cluster at the end (verified) | {result['store_at_end']['checked']} checked, "
+        f"{result['store_at_end']['corrupt_removed']} corrupt |",
+        "", "Faults:", "",
+        *[f"- {e['at_s']:.0f} s: {e['event'].replace('_', ' ')} (took {e['took_s']} s)"
+          for e in result["events"]],
+    ]
+    (out / "README.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,145 @@
+"""Replay at its boundaries on a tiny Gemma-3 (window 16; layers sliding, sliding, full, sliding: an
+exact replay reruns 3 x 15 = 45 tokens). Property tests over random prompts, split points (the
+turn ending on a block boundary or inside a block; the cached prefix just below, at and above the
+replay length) and turn sequences of hits, replays and misses, each served prompt against a cold
+run of it (a fresh store: a miss). With lossless KV (a bf16 model, bf16 records) a hit and an exact
+replay are the cold run, bit for bit, greedy tokens and logits; a bounded replay that reruns less
+than the prefix is an approximation whose error stays small. Depth sharing is refused by the store
+(`test_prefix_server.py::test_specs_the_store_cannot_hold_are_refused`); a top-k read (`topk:`) is
+here: its decode steps read sparsely from the installed or replayed cache."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstrata.hf.run import decode_steps
+from kvstrata.models.tiny import tiny_model
+from kvstrata.place.memory import MemoryTier
+from kvstrata.place.prefix_server import EXACT, PrefixServer, exact_replay_tokens
+from kvstrata.place.store import KVStore
+
+WINDOW, RECEPTIVE = 16, 45  # tiny Gemma-3's sliding window; its three sliding layers' receptive field
+TOPK = "bf16+topk:k=8,window=4,sinks=2"  # decode steps read 14 of the held positions
+NEW = 4  # greedy tokens compared after each served prompt
+SETTINGS = settings(max_examples=8, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def gemma_bf16():
+    """Tiny Gemma-3 in bfloat16: bf16 records hold its K/V exactly (a lossless store)."""
+    return tiny_model("gemma3").to(torch.bfloat16)
+
+
+def store() -> KVStore:
+    return KVStore(MemoryTier(1 << 26), MemoryTier(1 << 24))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def kl(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(ref || got) per row of logits, in nats."""
+    p, q = torch.log_softmax(ref.float(), -1), torch.log_softmax(got.float(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def cold(model, method: str, ids: list[int], block: int):
+    """The prompt served from an empty store: a full prefill."""
+    served = PrefixServer(model, store(), method, block_size=block).serve(ids)
+    assert served.kind == "miss"
+    return served
+
+
+def sliding_kv(served) -> list[torch.Tensor]:
+    """Every sliding layer's held window, decoded."""
+    return [torch.cat(layer.dense()) for layer in served.cache.layers if layer.is_sliding]
+
+
+def test_exact_replay_length_is_the_sliding_layers_receptive_field(tiny_gemma, tiny_llama):
+    assert PrefixServer(tiny_gemma, store(), n_win=EXACT).n_win == RECEPTIVE
+    assert exact_replay_tokens([("sliding", 512)] * 15 + [("full", None)] * 3) == 15 * 511  # Gemma-3-270M
+    assert PrefixServer(tiny_llama, store(), n_win=EXACT).n_win == 0  # no sliding layers: nothing to replay
+    for bad in ("most", -1):
+        with pytest.raises(ValueError, match="n_win must be"):
+            PrefixServer(tiny_gemma, store(), n_win=bad)
+
+
+EVENTS = st.sampled_from(["hit", "replay", "miss"])
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), block=st.sampled_from([5, 8]), first=st.integers(6, 72),
+       turns=st.lists(st.tuples(st.integers(1, 24), EVENTS), min_size=1, max_size=3),
+       method=st.sampled_from(["bf16", TOPK]), n_win=st.sampled_from([EXACT, WINDOW, 2 * WINDOW]))
+def test_turns_against_a_cold_run(gemma_bf16, seed, block, first, turns, method, n_win):
+    """A conversation several turns deep, each turn a hit, a replay or a miss as its event says: a
+    hit, a miss and a replay that covers the receptive field give the cold run's logits and greedy
+    tokens (the first, then four decode steps) bit for bit, unless a bounded replay of part of the
+    prefix came before (its blocks and window were written back: close, no longer equal)."""
+    s = PrefixServer(gemma_bf16, store(), method, block_size=block, n_win=n_win)
+    ids = tokens(seed, first + sum(grow for grow, _ in turns))
+    length, written, exact = first, 0, True
+    for grow, event in [(0, "miss"), *turns]:
+        length += grow
+        if event == "miss":
+            s.store.global_tier.clear()
+            written, exact = 0, True
+        if event != "hit":
+            s.store.swa_tier.clear()
+        served, ref = s.serve(ids[:length]), cold(gemma_bf16, method, ids[:length], block)
+        assert (served.kind, served.reused_tokens) == ((event, written) if written else ("miss", 0))
+        replayed = served.computed_tokens - (length - written)  # prefix tokens run again
+        exact = exact and (served.kind != "replay" or replayed == min(written, s.n_win) == written
+                           or n_win == EXACT)
+        written = (length - 1) // block * block
+        if exact:
+            torch.testing.assert_close(served.logits, ref.logits, atol=0, rtol=0)
+            ref_tokens, ref_rows = decode_steps(gemma_bf16, ref.cache, ref.logits, NEW, method)
+            got_tokens, got_rows = decode_steps(gemma_bf16, served.cache, served.logits, NEW, method)
+            assert got_tokens == ref_tokens
+            torch.testing.assert_close(got_rows, ref_rows, atol=0, rtol=0)
+        else:  # a bounded replay of part of the prefix, now or in an earlier turn: close, not equal
+            error = kl(ref.logits, served.logits)
+            assert torch.isfinite(error).all() and error.item() < 0.05
+
+
+# first turns: cached 40 (one past a block), 45 (inside a block), 45 (a whole block held back), 50, 90
+SPLITS = {"below": 41, "at": 48, "at, block-aligned": 50, "above": 53, "far above": 93}
+CODECS = ["bf16", "nvfp4;sliding=fp8", "int4:keys=channel,group=16,r=0,sink=3,rot=hadamard"]
+
+
+@pytest.mark.parametrize("method", CODECS)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_exact_replay_is_a_replay_of_the_whole_prefix(tiny_gemma, method, split):
+    """Any codec, a float32 model: the exact replay's sliding windows, logits and greedy steps are a
+    replay of the whole cached prefix's (both read the same global codes); one token less and the
+    next token's logits differ once the prefix is longer. Against the cold run (whose prefill read
+    its own K/V before encoding it) only the codec's error remains: a small KL, the same tokens."""
+    first, block = SPLITS[split], 5
+    cached = (first - 1) // block * block
+    ids = tokens(first, first)
+
+    def replay(n_win):
+        s = PrefixServer(tiny_gemma, store(), method, block_size=block, n_win=n_win)
+        s.serve(ids)
+        s.store.swa_tier.clear()
+        served = s.serve(ids[:cached + 1])  # the window is read at once by the one token after it
+        assert served.kind == "replay" and served.reused_tokens == cached
+        return served
+
+    exact, whole, short = replay(EXACT), replay(10**6), replay(RECEPTIVE - 1)
+    assert exact.computed_tokens == min(RECEPTIVE, cached) + 1
+    for a, b in zip(sliding_kv(exact), sliding_kv(whole)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(exact.logits, whole.logits, atol=1e-6, rtol=0)
+    steps = [decode_steps(tiny_gemma, x.cache, x.logits, NEW, method) for x in (exact, whole)]
+    assert steps[0][0] == steps[1][0]
+    torch.testing.assert_close(steps[0][1], steps[1][1], atol=1e-5, rtol=0)
+    differs = (short.logits - whole.logits).abs().max().item()
+    assert differs > 1e-5 if cached >= RECEPTIVE else differs < 1e-6
+    ref = cold(tiny_gemma, method, ids[:cached + 1], block)
+    assert kl(ref.logits, exact.logits).item() < 1e-3
+    assert decode_steps(tiny_gemma, ref.cache, ref.logits, NEW, method)[0] == steps[0][0]
