@@ -360,16 +360,14 @@ def test_tune(capsys, tmp_path, model, tokens, budget):
 
 
 def test_serve_soak(capsys, tmp_path):
-    """A shortened soak on tiny-gemma3: a real Redis Cluster with replicas, a master and the server
-    SIGKILLed, the masters filled; every answer near a fault and a sample of others re-checked."""
-    out = tmp_path / "soak"
-    run(capsys, "serve-soak --model tiny-gemma3 --clients 3 --turns 4 --context 64 --max-tokens 4 "
-                f"--duration 60 --check 6 --replay-tokens exact --request-timeout 300 --out {out}")
-    result = json.loads((out / "soak.json").read_text())
-    assert [e["event"] for e in result["events"]] == ["kill_master", "restart", "fill", "unfill"]
-    rq = result["requests"]
-    assert rq["total"] > 10 and rq["failed_after_retries"] == 0 and rq["hangs"] == 0
-    assert result["check"]["checked"] >= 6 and result["check"]["differ"] == 0
-    assert result["counters"]["writes"] > 0 and result["counters"]["corrupt"] == 0
-    assert result["store_at_end"]["corrupt_removed"] == 0 and result["store_at_end"]["checked"] > 0
-    assert "wrong answers" in (out / "README.md").read_text() and list((out / "logs").glob("*.log"))
+    """The soak needs minutes of load and a Redis Cluster (its reference run is committed under
+    docs/results/soak); here: bad input is refused before any Redis node or server starts."""
+    for argv in (["--duration", "5"], ["--clients", "0"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve-soak", "--model", "tiny-gemma3", *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and argv[0] in err and "Traceback" not in err
+    (tmp_path / "a-file").write_text("")
+    assert main(["serve-soak", "--model", "tiny-gemma3", "--out", str(tmp_path / "a-file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and len(err.strip().splitlines()) == 1

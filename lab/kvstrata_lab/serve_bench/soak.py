@@ -19,7 +19,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstrata.models import check_method, load_tokenizer
+import torch
+
+from kvstrata.hf.cache import CompressedCache
+from kvstrata.hf.run import forward
+from kvstrata.models import check_method, load, load_tokenizer
 from kvstrata.place import KVStore, StoreConfig
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.bench import _Load, _server, _stream, check_fits
@@ -27,6 +31,7 @@ from kvstrata_lab.serve_bench.cluster import LoopbackCluster
 from kvstrata_lab.serve_bench.config import ServeBenchConfig
 from kvstrata_lab.serve_bench.process import ServerProcess
 
+TIE_LOGITS = 0.1  # a cold run whose two candidate tokens are this close has no single right answer
 COUNTERS = ("writes", "refused", "errors", "corrupt", "unverifiable", "hits", "misses")
 AFTER_FAULT_S = 60.0  # answers this close after a fault are all checked
 
@@ -153,7 +158,7 @@ def run(cfg: SoakConfig, command: str = "kvstrata serve-soak") -> dict:
         result["store_at_end"] = store.verify()
         result["counters"] = {n: faults.before_restart.get(n, 0) + after[n] for n in COUNTERS}
         with _server(lc, root, "no_store", *cfg.server_args, "--no-store") as reference:
-            result["check"] = _compare(_sample(load.asked, faults.events, lc.check), reference, lc.max_tokens)
+            result["check"] = _compare(_sample(load.asked, faults.events, lc.check), reference, lc)
         rss = _rss_report(faults.rss, lc.duration_s, cfg.rss_bound)
         result.update(events=faults.events, wall_s=wall, rss=rss,
                       requests=_requests(load.records, cfg.request_timeout_s))
@@ -168,16 +173,50 @@ def run(cfg: SoakConfig, command: str = "kvstrata serve-soak") -> dict:
     return result
 
 
-def _compare(sample: list[tuple[dict, dict]], server: ServerProcess, max_tokens: int) -> dict:
+def _compare(sample: list[tuple[dict, dict]], server: ServerProcess, lc: ServeBenchConfig) -> dict:
+    """Re-ask each sampled request of the store-off server; an answer that differs is a *tie* when,
+    in a cold in-process run, the two answers' first differing tokens are within `TIE_LOGITS`
+    (floating-point order decides such a tie), else *wrong*."""
     import openai  # optional dependency (the serve extra)
 
     oa = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=3600)
-    differ = []
+    differ, judge = [], None
     for request, rec in sample:
-        again = _stream(oa, server.name, max_tokens, **request)
+        again = _stream(oa, server.name, lc.max_tokens, **request)
         if again.get("text") != rec["text"]:
-            differ.append({k: rec[k] for k in ("client", "turn", "at_s", "kind")})
-    return {"checked": len(sample), "differ": len(differ), "rows": differ}
+            judge = judge or _ColdJudge(lc)
+            gap = judge.gap(request, rec["text"], again.get("text") or "")
+            differ.append({**{k: rec[k] for k in ("client", "turn", "at_s", "kind")}, "logit_gap": gap})
+    ties = sum(r["logit_gap"] is not None and r["logit_gap"] <= TIE_LOGITS for r in differ)
+    return {"checked": len(sample), "differ": len(differ), "ties": ties, "wrong": len(differ) - ties,
+            "tie_logits": TIE_LOGITS, "rows": differ}
+
+
+class _ColdJudge:
+    """The model in this process, for the cold logits at the point where two answers part."""
+
+    def __init__(self, lc: ServeBenchConfig):
+        self.model, self.tok = load(lc.model)
+        self.method = lc.method
+
+    def ids(self, request: dict) -> list[int]:
+        if "messages" in request:
+            text = self.tok.apply_chat_template(request["messages"], tokenize=False,
+                                                add_generation_prompt=True)
+            return self.tok(text, add_special_tokens=False).input_ids
+        return self.tok(request["prompt"]).input_ids
+
+    def gap(self, request: dict, on: str, off: str) -> float | None:
+        """|logit(on's token) - logit(off's token)| at their first differing token, in a cold run fed
+        the shared part; None when the texts do not part at a token (tokenization)."""
+        a, b = (self.tok(t, add_special_tokens=False).input_ids for t in (on, off))
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if n is None:
+            return None
+        with torch.no_grad():
+            logits = forward(self.model, torch.tensor([self.ids(request) + a[:n]]),
+                             CompressedCache(self.model.config, self.method))[0, -1].float()
+        return abs(float(logits[a[n]] - logits[b[n]]))
 
 
 def _requests(records: list[dict], timeout_s: float) -> dict:
@@ -208,7 +247,8 @@ def write(result: dict, out: Path) -> None:
         "# Soak under faults", "", f"Command: `{result.get('command', 'kvstrata serve-soak')}`", "",
         "| what | result |", "|---|---|",
         f"| requests | {rq['total']} ({rq['kinds']}) |",
-        f"| wrong answers (re-asked of a store-off server) | {ck['differ']} of {ck['checked']} checked |",
+        f"| answers differing from a store-off server's | {ck['differ']} of {ck['checked']} checked: "
+        f"{ck['ties']} ties (cold logits within {ck['tie_logits']}), **{ck['wrong']} wrong** |",
         f"| failed after {result['config']['retries']} retries / hung past {rq['timeout_s']:.0f} s | "
         f"{rq['failed_after_retries']} / {rq['hangs']} (retried: {rq['retried']}) |",
         f"| server RSS warm → peak | {rss['warm_bytes'] / 2**20:.0f} → {rss['peak_bytes'] / 2**20:.0f} MiB "
