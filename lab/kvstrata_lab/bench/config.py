@@ -44,6 +44,8 @@ class BenchConfig:
 
 DEFAULT_LADDER = ("bf16", "fp8", "nvfp4:rot=hadamard", "int2:r=32,rot=hadamard")
 REFERENCE = "bf16"
+#: what the tuner may choose on: RULER's retrieval tasks and the calibration families, never `report`
+TUNE_TASKS = RETRIEVAL + ("calib",)
 
 
 @dataclass
@@ -88,8 +90,11 @@ class TuneConfig:
         if not self.calib or not self.heldout:
             raise ValueError("tuning needs calibration and held-out instances")
         for t in self.tasks:
-            if t not in RETRIEVAL:
-                raise ValueError(f"tune scores retrieval tasks ({', '.join(RETRIEVAL)}); got {t!r}")
+            if t == "report":
+                raise ValueError("tune chooses on calibration families only: the report families are what "
+                                 "its choice is measured on afterwards (use calib)")
+            if t not in TUNE_TASKS:
+                raise ValueError(f"tune scores retrieval tasks ({', '.join(TUNE_TASKS)}); got {t!r}")
 
     def key(self) -> dict:
         """What measurements depend on: a state file written under other settings is refused."""

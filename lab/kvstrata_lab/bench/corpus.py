@@ -1,5 +1,6 @@
-"""Text of an exact length in a tokenizer's tokens: RULER's noise sentences, or natural prose
-shipped with Python itself (`pydoc_data.topics`).
+"""Text of an exact length in a tokenizer's tokens: RULER's noise sentences, natural prose shipped
+with Python itself (`pydoc_data.topics`), or the standard library's code, docstrings and tables
+(`sources`).
 
 Every source here returns exactly the number of tokens asked: it repeats its text until there is
 enough, then cuts. Where the text cannot be cut at exactly that count it raises `TextShortfall`,
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import random
 
+from kvstrata_lab.bench import sources
+
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-KINDS = ("noise", "natural")
+KINDS = ("noise", "natural", *sources.KINDS)
 MARGIN = 16  # tokens read past a cut, so that the tokens before it are those of the longer text
 WINDOW = 4  # token boundaries tried on each side of a cut whose count shifts when the text ends there
 
@@ -49,6 +52,8 @@ def units(kind: str, seed: int = 0) -> list[str]:
         return [NOISE]
     if kind == "natural":
         return [p + "\n" for p in natural_paragraphs(seed)]
+    if kind in sources.KINDS:
+        return sources.pieces(kind, seed)
     raise ValueError(f"unknown haystack {kind!r} (known: {', '.join(KINDS)})")
 
 

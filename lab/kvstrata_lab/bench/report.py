@@ -8,14 +8,24 @@ import json
 import re
 from pathlib import Path
 
-from kvstrata_lab.bench import depth_ablation, frontier, kernels, memory, sparse_frontier, speed, v41_prefill
+from kvstrata_lab.bench import (
+    depth_ablation,
+    frontier,
+    kernels,
+    memory,
+    sparse_frontier,
+    speed,
+    transfer,
+    v41_prefill,
+)
 from kvstrata_lab.bench.peers import compare
 from kvstrata_lab.bench.results import FAMILY_COLOURS, USABLE, ReportInput, fmt, load_results, summarise
 
 # The report's sections after the main tables, in order: each takes a ReportInput and returns Markdown
 # ('' when its experiment has not run into this directory).
 SECTIONS = (
-    frontier.report_section, speed.report_section, kernels.report_section, memory.report_section,
+    transfer.report_section, frontier.report_section, speed.report_section, kernels.report_section,
+    memory.report_section,
     compare.report_section,
     sparse_frontier.report_section, depth_ablation.report_section, v41_prefill.report_section,
 )

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from kvstrata.user_files import read_text_file
+from kvstrata_lab.bench.families import SPLITS
 from kvstrata_lab.bench.tasks import FIDELITY, KNOWN
 
 ROWS_MAX_BYTES = 1 << 30
@@ -54,6 +55,8 @@ def row_problem(row) -> str | None:
             return f"field {name!r} must be a finite number or null, got {row[name]!r}"
     if row.get("failure") is not None and not isinstance(row["failure"], str):
         return f"field 'failure' must be a string or null, got {row['failure']!r}"
+    if row["task"] in SPLITS and not isinstance(row.get("text_family"), str):
+        return f"field 'text_family' must be a string on a {row['task']} row, got {row.get('text_family')!r}"
     if not isinstance(row.get("family"), str):
         return f"field 'family' must be a string, got {row.get('family')!r}"
     return None

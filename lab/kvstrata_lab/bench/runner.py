@@ -24,6 +24,7 @@ from kvstrata_lab.bench.peers import is_peer, parse_peer, qcache
 from kvstrata_lab.bench.peers.worker_client import run_kvpress
 from kvstrata_lab.bench.rows import done_keys
 from kvstrata_lab.bench.tasks import (
+    FAMILY_TASKS,
     FIDELITY,
     KNOWN,
     LOOKALIKE,
@@ -140,6 +141,9 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
     return rows
 
 
+ROW_META = ("hops", "text_family", "source", "question_phrasing", "lookalike")  # what a row keeps of meta
+
+
 def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float | None) -> dict:
     """The fields every method's row of one (model, length, task, instance) cell shares; `tokens` is
     the context as fed, refused (ValueError) unless it fits the nominal `length` (`check_fed`).
@@ -150,10 +154,10 @@ def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s:
         "model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
         "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
         "prefill_s": prefill_s, "run": uuid.uuid4().hex[:12],
-        "kind": ("retrieval" if task in RETRIEVAL + LOOKALIKE else "reasoning" if task in REASONING
-                 else "fidelity"),
+        "kind": ("retrieval" if task in (*RETRIEVAL, *LOOKALIKE, *FAMILY_TASKS)
+                 else "reasoning" if task in REASONING else "fidelity"),
         "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
-        **{k: v for k, v in inst.meta.items() if k == "hops"},
+        **{k: v for k, v in inst.meta.items() if k in ROW_META},
     }
 
 

@@ -13,7 +13,9 @@ import random
 import string
 from dataclasses import dataclass, field
 
+from kvstrata_lab.bench import families
 from kvstrata_lab.bench.corpus import count, prose_and_continuation
+from kvstrata_lab.bench.families import SPLITS
 from kvstrata_lab.bench.haystack import place, special_tokens
 
 RETRIEVAL = ("single", "multikey", "multivalue", "multiquery")
@@ -23,7 +25,11 @@ TASKS = RETRIEVAL + REASONING + FIDELITY  # the default set; the headline retrie
 #: run on request only: retrieval with other needle phrasings and lookalike distractors (a check
 #: that gains hold beyond the generators above), a column of its own, outside the headline mean
 LOOKALIKE = ("lookalike",)
-KNOWN = TASKS + LOOKALIKE
+#: run on request only: one question over the text families of `families` (sources, phrasings,
+#: answer kinds, lengths spread below the nominal one); `calib` is what tuning and screening choose
+#: on, `report` what claims are measured on, never the other way round
+FAMILY_TASKS = SPLITS
+KNOWN = TASKS + LOOKALIKE + FAMILY_TASKS
 
 CONTINUATION = 64  # tokens of a fidelity instance's scored continuation
 HEAD = ("There is important information hidden inside a lot of irrelevant text. "
@@ -72,6 +78,8 @@ def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0
     fidelity context is exactly `n_tokens` text tokens (its continuation is scored, not asked)."""
     if task == "fidelity":
         return _fidelity(tokenizer, n_tokens, index, seed)
+    if task in FAMILY_TASKS:
+        return _family_instance(task, tokenizer, n_tokens, index, seed)
     rng, needles, questions, meta = draw(task, n_tokens, index, seed)
     reserve = question_tokens(tokenizer, questions)
     fractions = [rng.random() for _ in needles]
@@ -81,6 +89,22 @@ def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0
         raise ValueError(f"{task} #{index} at {n_tokens} tokens (its question takes {reserve}): "
                          f"{exc}") from None
     return Instance(task, index, ctx, tuple(questions), meta={**meta, "depths": depths},
+                    question_tokens=reserve, special_tokens=special_tokens(tokenizer))
+
+
+def _family_instance(split: str, tokenizer, n_tokens: int, index: int, seed: int) -> Instance:
+    """A family instance: its own head, source and phrasing, at its own drawn length (`meta["tokens"]`,
+    at most `n_tokens`)."""
+    fam, rng, tokens, needles, text, target, meta = families.draw(split, n_tokens, index, seed)
+    questions = (Question(text, (target,), max_new_tokens=16),)
+    reserve = question_tokens(tokenizer, questions)
+    fractions = [rng.random() for _ in needles]
+    try:
+        ctx, depths = place(tokenizer, tokens - reserve, fam.head, needles, fractions, fam.source,
+                            seed + index)
+    except ValueError as exc:
+        raise ValueError(f"{split} #{index} ({fam.name}) at {tokens} tokens: {exc}") from None
+    return Instance(split, index, ctx, questions, meta={**meta, "depths": depths},
                     question_tokens=reserve, special_tokens=special_tokens(tokenizer))
 
 
@@ -192,7 +216,9 @@ def _fidelity(tokenizer, n_tokens, index, seed) -> Instance:
 
 def check_fed(inst: Instance, length: int, fed: int) -> None:
     """Refuse a context fed at `fed` tokens whose nominal length is `length` when they differ by more
-    than the instance's question and special tokens: its row would report a length it did not run at."""
+    than the instance's question and special tokens: its row would report a length it did not run at.
+    A family instance is checked against the length it drew (`meta["tokens"]`, at most `length`)."""
+    length = inst.meta.get("tokens", length)
     slack = inst.question_tokens + inst.special_tokens
     if abs(length - fed) > slack:
         raise ValueError(f"{inst.uid} at length {length}: the context fed is {fed} tokens, "

@@ -30,8 +30,9 @@ from kvstrata.methods import parse_method, ranges_text
 from kvstrata.models import load
 from kvstrata_lab.bench import protocol
 from kvstrata_lab.bench.config import DEFAULT_LADDER, REFERENCE, TuneConfig, kv_recipe  # noqa: F401 (settings)
-from kvstrata_lab.bench.paired import paired_delta
-from kvstrata_lab.bench.results import USABLE
+from kvstrata_lab.bench.families import family_of
+from kvstrata_lab.bench.paired import Delta, paired_delta
+from kvstrata_lab.bench.results import usable_score
 from kvstrata_lab.bench.tasks import check_fed, make_instance, score_answer
 
 
@@ -202,10 +203,14 @@ def quality(ev: Evaluator, cfg: TuneConfig, spec: str, indices, keep: bool = Tru
         else:
             for s, res in got.items():
                 scores[s][(task, i)] = res
-    usable = [t for t in cfg.tasks if mean(scores[REFERENCE][(t, i)]["score"] for i in indices) >= USABLE]
+    ref = {t: mean(scores[REFERENCE][(t, i)]["score"] for i in indices) for t in cfg.tasks}
+    usable = [t for t in cfg.tasks if usable_score(ref[t], t)]
 
     def retrieval(s):
         return mean(mean(scores[s][(t, i)]["score"] for i in indices) for t in usable) if usable else None
+
+    def every(s):
+        return {k: v["score"] for k, v in scores[s].items()}
 
     def flat(s):
         return {k: v["score"] for k, v in scores[s].items() if k[0] in usable}
@@ -218,7 +223,21 @@ def quality(ev: Evaluator, cfg: TuneConfig, spec: str, indices, keep: bool = Tru
         "bytes_per_token": mean(v["bytes_per_token"] for v in scores[spec].values()),
         "bf16_bytes_per_token": mean(v["bytes_per_token"] for v in scores[REFERENCE].values()),
         "per_task": {t: mean(scores[spec][(t, i)]["score"] for i in indices) for t in cfg.tasks},
+        "per_family": per_family(every(spec), every(REFERENCE)),  # usable or not: the worst is named
     }
+
+
+def text_family(task: str, index: int) -> str:
+    """The family an instance's text and phrasing come from: a calibration family, or a RULER task."""
+    return family_of("calib", index).name if task == "calib" else task
+
+
+def per_family(a: dict, b: dict) -> dict[str, Delta]:
+    """The spec's paired Δ against bf16 on each text family's instances (the certificate names the worst)."""
+    fams: dict[str, list] = {}
+    for key in a.keys() & b.keys():
+        fams.setdefault(text_family(*key), []).append(key)
+    return {f: paired_delta({k: a[k] for k in ks}, {k: b[k] for k in ks}) for f, ks in sorted(fams.items())}
 
 
 def passes(q: dict, cfg: TuneConfig) -> bool:
@@ -285,7 +304,15 @@ def certify(cfg: TuneConfig, calib: dict, held: dict, search: list[dict], **extr
 
 def _public(q: dict) -> dict:
     d = q["delta"]
-    out = {k: v for k, v in q.items() if k != "delta"}
+    out = {k: v for k, v in q.items() if k not in ("delta", "per_family")}
     out["compression"] = q["bf16_bytes_per_token"] / q["bytes_per_token"]
-    out["delta_vs_bf16"] = None if d is None else {"mean": d.mean, "ci95": [d.lo, d.hi], "n": d.n}
+    out["delta_vs_bf16"] = _delta(d)
+    fams = q.get("per_family", {})
+    out["delta_per_family"] = {f: _delta(x) for f, x in fams.items()}
+    worst = min(fams, key=lambda f: (fams[f].lo, fams[f].mean), default=None)
+    out["worst_family"] = None if worst is None else {"family": worst, **_delta(fams[worst])}
     return out
+
+
+def _delta(d: Delta | None) -> dict | None:
+    return None if d is None else {"mean": d.mean, "ci95": [d.lo, d.hi], "n": d.n}

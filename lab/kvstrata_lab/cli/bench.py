@@ -22,7 +22,9 @@ def register(sub) -> None:
                    "kvpress:<press>:cr=<ratio> (own environment, created on first use) and "
                    "qcache:<quanto|hqq>:int<2|4> (transformers' QuantizedCache)")
     b.add_argument("--tasks", help=f"comma-separated tasks (default {','.join(default('tasks'))}; "
-                   "lookalike on request: other needle phrasings among lookalike distractors)")
+                   "lookalike on request: other needle phrasings among lookalike distractors;"
+                   " calib / report: "
+                   "the text families, docs/benchmark.md#text-families)")
     b.add_argument("--lengths", help="comma-separated context lengths in tokens (default "
                    f"{','.join(map(str, default('lengths')))})")
     b.add_argument("--n", type=int_in(1, 100_000),

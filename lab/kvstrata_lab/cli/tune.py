@@ -21,7 +21,8 @@ def register(sub) -> None:
     tu.add_argument("--length", type=int_in(64, BIG), required=True, help="context length in tokens")
     tu.add_argument("--ladder",
                     help=f"comma-separated recipes, best first (default {','.join(default('ladder'))})")
-    tu.add_argument("--tasks", help=f"comma-separated retrieval tasks (default {','.join(default('tasks'))})")
+    tu.add_argument("--tasks", help=f"comma-separated retrieval tasks (default {','.join(default('tasks'))}; "
+                    "calib: the calibration text families; report is refused: claims are measured on it)")
     tu.add_argument("--calib", default=ranges_text(default("calib")),
                     help="calibration instance indices, e.g. 100-103 (default %(default)s; the benchmark "
                          "reports 0-19)")
@@ -78,6 +79,10 @@ def run(args) -> int:
     print(f"held-out ({len(held['indices'])} per task, {held['n_questions']} questions): "
           f"{held['compression']:.2f}× smaller, retrieval {_num(held['retrieval'])} vs bf16 "
           f"{_num(held['bf16_retrieval'])}{ci}, top-1 {held['top1']:.3f}")
+    if worst := held.get("worst_family"):
+        lo, hi = worst["ci95"]
+        print(f"worst family held out: {worst['family']} Δ {worst['mean']:+.2f}, "
+              f"95 % CI [{lo:+.2f}, {hi:+.2f}] (n={worst['n']})")
     print(f"certificate: {cfg.out / 'certificate.json'}")
     met = cert["quality_met_on_calibration"] and cert["heldout_quality_met"]
     met = met and cert["bytes_met"] is not False

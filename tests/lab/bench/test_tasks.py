@@ -31,7 +31,9 @@ def test_deterministic_and_seeded(task):
 @pytest.mark.parametrize("length", [800, 2000])
 def test_context_and_question_fill_the_length_exactly(task, length):
     inst = make_instance(task, TOK, length, 0)
-    assert n_tokens(inst.context) + inst.question_tokens == length
+    drawn = inst.meta.get("tokens", length)  # a family instance draws its length at or below the cell's
+    assert 5 * length // 8 <= drawn <= length
+    assert n_tokens(inst.context) + inst.question_tokens == drawn
     assert inst.question_tokens == max((n_tokens(q.text) for q in inst.questions), default=0)
     check_fed(inst, length, n_tokens(inst.context))  # what the runner checks before a row is written
 

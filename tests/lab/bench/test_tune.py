@@ -62,6 +62,7 @@ def test_an_unreachable_bytes_target_is_reported(tuned, tiny_gemma):
     (dict(ladder=("bf16", "fp8;sliding=bf16")), "one recipe"),
     (dict(ladder=("bf16", "fp8+topk:k=8")), "whole model"),
     (dict(tasks=("vartrack",)), "retrieval tasks"),
+    (dict(tasks=("single", "report")), "calibration families only"),
     (dict(kv_apart=True, ladder=("bf16", "fp8:block=32")), "cannot be written as v="),  # v= has no block
     (dict(kv_apart=True, ladder=("bf16", "tova:keep=0.5+fp8")), "no keep policy"),
 ])
@@ -130,3 +131,21 @@ def test_tuning_keys_apart_from_values_measures_both_halves(tmp_path, tiny_gemma
 def test_the_budget_bounds_retrieval_against_bf16_and_top1(tmp_path, retrieval, top1, ok):
     cfg = _cfg(tmp_path, max_drop=0.01, top1=0.97)
     assert passes({"retrieval": retrieval, "bf16_retrieval": 0.67, "top1": top1}, cfg) is ok
+
+
+def test_tuning_on_the_calibration_families_certifies_the_worst_family(tmp_path, tiny_gemma, monkeypatch):
+    from kvstrata_lab.bench import tune as tune_module
+
+    asked = []
+    real = tune_module.make_instance
+    monkeypatch.setattr(tune_module, "make_instance",
+                        lambda task, *a, **k: asked.append(task) or real(task, *a, **k))
+    cfg = _cfg(tmp_path, tasks=("calib",), length=800, calib=(100, 101, 102, 103), heldout=(0, 1, 2, 3))
+    cert = tune(cfg, load_model=lambda name: (tiny_gemma, byte_tokenizer()))
+    assert set(asked) == {"calib", "fidelity"}  # never a report instance
+    held = cert["heldout"]
+    fams = set(held["delta_per_family"])
+    assert fams == {"noise-magic", "reference-combination", "code-constant", "table-serial"}
+    worst = held["worst_family"]
+    assert worst["family"] in fams
+    assert worst["ci95"][0] == min(d["ci95"][0] for d in held["delta_per_family"].values())
