@@ -10,9 +10,8 @@ count tokens without special tokens, except `natural_ids`, which returns the ids
 
 from __future__ import annotations
 
-import random
-
 from kvstrata_lab.bench import sources
+from kvstrata_lab.bench.sources import natural_paragraphs
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 KINDS = ("noise", "natural", *sources.KINDS)
@@ -26,23 +25,6 @@ class TextShortfall(ValueError):
     def __init__(self, source: str, asked: int, got: int, why: str):
         super().__init__(f"{source}: asked for {asked} tokens, got {got}: {why}")
         self.source, self.asked, self.got = source, asked, got
-
-
-def natural_paragraphs(seed: int = 0) -> list[str]:
-    """Paragraphs of real English prose from the standard library's `pydoc_data.topics`, shuffled by
-    `seed`."""
-    from pydoc_data.topics import (
-        topics,  # about a megabyte of text, loaded only when natural prose is asked for
-    )
-
-    paras = []
-    for key in sorted(topics):
-        for p in topics[key].split("\n\n"):
-            p = " ".join(p.split())
-            if len(p) > 200 and p[0].isalpha() and not p.startswith(("Changed in", "New in", "Added in")):
-                paras.append(p)
-    random.Random(seed).shuffle(paras)
-    return paras
 
 
 def units(kind: str, seed: int = 0) -> list[str]:

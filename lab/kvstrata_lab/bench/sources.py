@@ -22,7 +22,7 @@ import unicodedata
 from functools import lru_cache
 from pathlib import Path
 
-#: the sources this module serves; `natural` (the language reference) and `noise` live in corpus
+#: what `pieces` serves; `natural` (`natural_paragraphs`) and `noise` are corpus kinds
 KINDS = ("code-am", "code-nz", "docstrings", "unicode-table", "kv-dump")
 CHARS = 400_000  # text read per source (a 32k-token haystack needs about 130k characters)
 
@@ -91,6 +91,23 @@ def _kv_lines() -> list[str]:
     return lines
 
 
+def natural_paragraphs(seed: int = 0) -> list[str]:
+    """Paragraphs of real English prose from the standard library's `pydoc_data.topics`, shuffled by
+    `seed`."""
+    from pydoc_data.topics import (
+        topics,  # about a megabyte of text, loaded only when natural prose is asked for
+    )
+
+    paras = []
+    for key in sorted(topics):
+        for p in topics[key].split("\n\n"):
+            p = " ".join(p.split())
+            if len(p) > 200 and p[0].isalpha() and not p.startswith(("Changed in", "New in", "Added in")):
+                paras.append(p)
+    random.Random(seed).shuffle(paras)
+    return paras
+
+
 @lru_cache(maxsize=None)
 def _pieces(kind: str) -> tuple[str, ...]:
     if kind == "code-am":
@@ -99,8 +116,6 @@ def _pieces(kind: str) -> tuple[str, ...]:
         calibration = set(_pieces("code-am"))
         return tuple(b for b in _code_blocks(_stdlib_files("n", "z")) if b not in calibration)
     if kind == "docstrings":
-        from kvstrata_lab.bench.corpus import natural_paragraphs  # corpus imports this module
-
         reference = {p.strip() for p in natural_paragraphs(0)}
         code = " ".join(" ".join(_pieces("code-am")).split())  # a docstring copied into a calibration file
         return tuple(p for p in _docstring_paragraphs(_stdlib_files("n", "z"))
