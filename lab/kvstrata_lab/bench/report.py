@@ -180,7 +180,9 @@ def write_report(out: Path, skip_bad: bool = False) -> Path:
     (out / "report.md").write_text("\n".join(md))
     (out / "summary.md").write_text(compact(summary))
     headline_keys = sorted(k for k, v in summary.items() if "dynamic" in v["methods"] and k[1] >= 4096)
-    (out / "headline.md").write_text(speed.headline(summary, rows, headline_keys))
+    pts = frontier.points(given)
+    best = tuple(p["method"] for k in headline_keys for p in pts.get(k, []) if p["frontier"])
+    (out / "headline.md").write_text(speed.headline(summary, rows, headline_keys, best))
     (out / "report.html").write_text(_html("\n".join(md[:2]), sections, pngs, out))
     return out / "report.md"
 

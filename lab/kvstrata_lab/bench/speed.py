@@ -7,7 +7,7 @@ from collections import defaultdict
 from statistics import mean
 
 from kvstrata_lab.bench.results import ReportInput
-from kvstrata_lab.bench.tasks import RETRIEVAL
+from kvstrata_lab.bench.tasks import FAMILY_TASKS, RETRIEVAL
 
 REFS = ("dynamic", "bf16")
 
@@ -20,11 +20,11 @@ def run_of(row: dict) -> str:
 
 def ratios(rows: list[dict]) -> dict:
     """{(model, length): {method: {"n": cells, "s": mean s/token, ref: ratio or None, "n " + ref:
-    cells paired}}}, over the retrieval rows. A ratio pairs rows of the same run of a cell only:
-    times from different runs (another day, another load on the machine) are never divided."""
+    cells paired}}}, over the retrieval and text-family rows. A ratio pairs rows of the same run of a
+    cell only: times from different runs (another day, another load on the machine) are never divided."""
     cells = defaultdict(dict)  # (model, length) -> {(task, index, run): {method: s/token}}
     for r in rows:
-        if r.get("error") or r["task"] not in RETRIEVAL or not r.get("decode_s_per_token"):
+        if r.get("error") or r["task"] not in RETRIEVAL + FAMILY_TASKS or not r.get("decode_s_per_token"):
             continue
         cells[(r["model"], r["length"])].setdefault((r["task"], r["index"], run_of(r)), {})[r["method"]] = r[
             "decode_s_per_token"
@@ -51,7 +51,8 @@ def report_section(given: ReportInput) -> str:
         return ""
     lines = [
         "## Decode speed\n",
-        "Decode seconds per token on the retrieval tasks, as a multiple of the stock `dynamic` row "
+        "Decode seconds per token on the retrieval and text-family tasks, as a multiple of the stock "
+        "`dynamic` row "
         "(transformers' DynamicCache, the model's own attention, no kvstrata code) and of our `bf16`, each "
         "on the cells both ran in the same run of the cell (one prefill; rows from other runs are never "
         "paired). `n` = cells (task instances); the count after a ratio = the cells it pairs; `–` = no "
@@ -74,18 +75,19 @@ def report_section(given: ReportInput) -> str:
 
 HEADLINE = (
     "dynamic", "bf16", "fp8", "int4:r=32", "nvfp4", "mxfp4", "int2:r=32", "streaming:keep=0.28",
-    "snapkv:keep=0.28", "qcache:quanto:int4",
+    "snapkv:keep=0.28", "qcache:quanto:int4", "qcache:hqq:int4",
 )
 
 
-def headline(summary: dict, rows: list[dict], keys: list[tuple[str, int]]) -> str:
-    """README's table: for each (model, length) in `keys`, per method ×smaller than bf16 /
-    retrieval on the usable tasks / decode s per token as a multiple of `dynamic`'s (paired)."""
+def headline(summary: dict, rows: list[dict], keys: list[tuple[str, int]], best: tuple[str, ...] = ()) -> str:
+    """README's table: for each (model, length) in `keys`, per method (the stock ones, then `best`:
+    those on a frontier) ×smaller than bf16 / retrieval on the usable tasks / decode s per token as a
+    multiple of `dynamic`'s (paired)."""
     table = ratios(rows)
     keys = [k for k in keys if k in summary]
     head = ["method"] + [f"{m} {L // 1024}k: ×smaller / retrieval / decode ×dynamic" for m, L in keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m in HEADLINE:
+    for m in dict.fromkeys(HEADLINE + best):
         if not any(m in summary[k]["methods"] for k in keys):
             continue
         cells = [f"`{m}`"]

@@ -5,18 +5,21 @@ rounding or a plot shows up here."""
 import shutil
 from pathlib import Path
 
+import pytest
+
 from kvstrata_lab.bench.report import write_report
 
 RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"
 
 
-def test_the_committed_report_is_what_the_report_command_writes(tmp_path):
+@pytest.mark.parametrize("results", [RESULTS, RESULTS / "transfer"], ids=["ruler", "transfer"])
+def test_the_committed_report_is_what_the_report_command_writes(tmp_path, results):
     out = tmp_path / "results"
-    shutil.copytree(RESULTS, out)
+    shutil.copytree(results, out)
     written = [p for p in out.iterdir() if p.suffix in (".md", ".html", ".png")]
     assert {"report.md", "headline.md", "report.html"} <= {p.name for p in written}
     for p in written:  # the report's own files go, so each must be written anew
         p.unlink()
     write_report(out)
-    changed = [p.name for p in written if not p.exists() or p.read_bytes() != (RESULTS / p.name).read_bytes()]
+    changed = [p.name for p in written if not p.exists() or p.read_bytes() != (results / p.name).read_bytes()]
     assert changed == [], f"kvstrata report no longer writes the committed {changed}"
