@@ -8,8 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstrata_lab.bench.paired import Delta, paired_delta, scores_by_instance
-from kvstrata_lab.bench.results import FAMILY_COLOURS, ReportInput, fmt, mark_frontier
-from kvstrata_lab.bench.tasks import FAMILY_TASKS, RETRIEVAL
+from kvstrata_lab.bench.results import FAMILY_COLOURS, RANKED_TASKS, ReportInput, fmt, mark_frontier
 
 REFERENCE = "bf16"
 #: (compression vs bf16, allowed retrieval drop vs bf16, top-1 floor, label): the quality-per-byte
@@ -33,7 +32,7 @@ def points(given: ReportInput) -> dict[tuple[str, int], list[dict]]:
     for key, s in given.summary.items():
         if REFERENCE not in s["methods"]:
             continue
-        usable = [t for t in RETRIEVAL + FAMILY_TASKS if s["usable"].get(t)]
+        usable = [t for t in RANKED_TASKS if s["usable"].get(t)]
         rows = [r for r in given.rows if (r["model"], r["length"]) == key and not r.get("error")]
         ref = scores_by_instance(rows, REFERENCE, usable)
         pts = []

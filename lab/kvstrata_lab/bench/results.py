@@ -21,6 +21,8 @@ USABLE = 0.5  # a task the uncompressed reference scores below this on is not us
 #: the family tasks pool phrasings, answer kinds and lookalike distractors and are harder by design;
 #: a paired Δ counts every instance bf16 answers, so they rank methods from a lower bar
 FAMILY_USABLE = 0.25
+#: the tasks whose scores rank methods (the retrieval mean, the frontier, the headline's speed)
+RANKED_TASKS = RETRIEVAL + FAMILY_TASKS
 
 
 def load_rows(out: Path, skip_bad: bool = False) -> list[dict]:
@@ -50,7 +52,7 @@ def summarise(rows: list[dict]) -> dict:
         groups[(r["model"], r["length"])].append(r)
     out = {}
     for key, rs in sorted(groups.items()):
-        order = RETRIEVAL + FAMILY_TASKS + LOOKALIKE + REASONING + FIDELITY
+        order = RANKED_TASKS + LOOKALIKE + REASONING + FIDELITY
         tasks = sorted({r["task"] for r in rs}, key=order.index)
         ref = [r for r in rs if r["method"] == "bf16"]
         rs = rs + reference_subsets(rs, ref)
@@ -63,7 +65,7 @@ def summarise(rows: list[dict]) -> dict:
         for m in names:
             mr = [r for r in rs if r["method"] == m]
             per_task = {t: avg([r["score"] for r in mr if r["task"] == t]) for t in tasks}
-            ranked = [per_task[t] for t in tasks if t in RETRIEVAL + FAMILY_TASKS and usable.get(t)]
+            ranked = [per_task[t] for t in tasks if t in RANKED_TASKS and usable.get(t)]
             fid = [r for r in mr if r["task"] in FIDELITY]
             costed = [r for r in mr if r["task"] not in FIDELITY] or fid
             per_count = counts(mr)
@@ -102,7 +104,7 @@ def usable_score(score: float, task: str) -> bool:
     return score >= (FAMILY_USABLE if task in FAMILY_TASKS else USABLE)
 
 
-QUESTION_TASKS = RETRIEVAL + FAMILY_TASKS + LOOKALIKE + REASONING
+QUESTION_TASKS = RANKED_TASKS + LOOKALIKE + REASONING
 
 
 def fed_lengths(rows: list[dict]) -> dict[str, tuple[int, int]]:

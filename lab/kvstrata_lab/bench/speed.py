@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import mean
 
-from kvstrata_lab.bench.results import ReportInput
-from kvstrata_lab.bench.tasks import FAMILY_TASKS, RETRIEVAL
+from kvstrata_lab.bench.results import RANKED_TASKS, ReportInput
 
 REFS = ("dynamic", "bf16")
 
@@ -24,7 +23,7 @@ def ratios(rows: list[dict]) -> dict:
     cell only: times from different runs (another day, another load on the machine) are never divided."""
     cells = defaultdict(dict)  # (model, length) -> {(task, index, run): {method: s/token}}
     for r in rows:
-        if r.get("error") or r["task"] not in RETRIEVAL + FAMILY_TASKS or not r.get("decode_s_per_token"):
+        if r.get("error") or r["task"] not in RANKED_TASKS or not r.get("decode_s_per_token"):
             continue
         cells[(r["model"], r["length"])].setdefault((r["task"], r["index"], run_of(r)), {})[r["method"]] = r[
             "decode_s_per_token"
