@@ -266,6 +266,31 @@ def test_serve_bench(capsys, tmp_path):
     assert "| store |" in (tmp_path / "serve_bench.md").read_text()
 
 
+def test_serve_batch_bench(capsys, tmp_path):
+    """The documented functional run on tiny-gemma3: real batched, unbatched and KV-budget servers;
+    every request answered and the server never ran more sequences than its budget holds."""
+    from kvstrata.models import load_config
+    from kvstrata.serve.scheduler import kv_rate
+
+    run(
+        capsys,
+        "serve-batch-bench --model tiny-gemma3 --methods bf16,nvfp4 --streams 1,3 --requests 1 "
+        "--level-requests 2 --prompt-tokens 40 --max-tokens 6 --probe-tokens 200 --budget-sequences 2 "
+        f"--budget-streams 4 --out {tmp_path}",
+    )
+    result = json.loads((tmp_path / "tiny-gemma3.json").read_text())
+    for method, rows in result["methods"].items():
+        for mode in ("batched", "unbatched"):
+            levels = rows[mode]["levels"]
+            assert [x["streams"] for x in levels] == [1, 3] and not any(x["errors"] for x in levels)
+            assert all(x["tokens"] > 0 and x["tokens_per_s"] > 0 for x in levels)
+            assert rows[mode]["probe"]["loaded_ttft_s"] is not None
+        need = kv_rate(load_config("tiny-gemma3"), method).bytes(40 + 6)
+        assert 1 <= rows["budget"]["running_max"] <= result["budget_bytes"] // need
+        assert rows["budget"]["errors"] == 0
+    assert "| `nvfp4` | batched | 3 |" in (tmp_path / "tiny-gemma3.md").read_text()
+
+
 @pytest.mark.parametrize("tokens", [1000, 4096])
 def test_topk_overlap(capsys, tmp_path, tokens):
     out = run(

@@ -44,10 +44,19 @@ def register(sub) -> None:
                                                               "as given)")
     s.add_argument("--no-store", action="store_true", help="every request a full prefill, nothing cached "
                                                            "(baseline)")
-    s.add_argument("--max-active", type=int_in(1, 1024), default=default("max_active"),
-                   help="requests interleaved step by step in the worker")
+    s.add_argument("--max-running", "--max-active", dest="max_running", type=int_in(1, 1024),
+                   default=default("max_running"), help="requests in the worker's batch at once")
     s.add_argument("--max-queue", type=int_in(0, 100_000), default=default("max_queue"),
                    help="requests waiting beyond those; more get 429")
+    s.add_argument("--max-batched-tokens", type=int_in(1, BIG), default=default("max_batched_tokens"),
+                   help="tokens per batched forward: one per decoding request, prefill chunks in the rest")
+    s.add_argument("--prefill-chunk", type=int_in(1, BIG), default=default("prefill_chunk"),
+                   help="most tokens of one prompt per step (<= --max-batched-tokens)")
+    s.add_argument("--kv-budget-mb", type=float_in(0.0, 1e9), default=default("kv_budget_mb"),
+                   help="KV (compressed bytes) the running requests may hold at their longest; a request "
+                        "that does not fit waits (0: no limit)")
+    s.add_argument("--no-batching", action="store_true",
+                   help="one request per forward (the unbatched worker, for comparison)")
     s.add_argument("--request-timeout", type=float_in(0.01, 7 * DAY_S), default=default("request_timeout_s"),
                    help="deadline per request, seconds")
     s.add_argument("--default-max-tokens", type=int_in(1, BIG), default=default("default_max_tokens"),
@@ -68,8 +77,10 @@ def run(args) -> int:
     cfg = ServeConfig(
         model=args.model, method=args.method, served_model_name=args.served_model_name or "",
         host=args.host, port=args.port, api_key_file=args.api_key_file or "",
-        store_config=args.config or "", use_store=not args.no_store, max_active=args.max_active,
-        max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+        store_config=args.config or "", use_store=not args.no_store, max_running=args.max_running,
+        max_queue=args.max_queue, max_batched_tokens=args.max_batched_tokens,
+        prefill_chunk=args.prefill_chunk,
+        kv_budget_mb=args.kv_budget_mb, batching=not args.no_batching, request_timeout_s=args.request_timeout,
         default_max_tokens=args.default_max_tokens, replay_tokens=args.replay_tokens,
         default_retention=args.default_retention, memory_global_gb=args.memory_global_gb,
         log_level=args.log_level,

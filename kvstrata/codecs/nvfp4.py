@@ -61,11 +61,12 @@ class NVFP4:
 
     def encode(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QTensor:
         """`scale`: a tensor scale to use instead of this tensor's own (parts of one tensor encoded
-        apart, with the whole tensor's `tensor_scale(amax)`, encode exactly as the whole does)."""
+        apart, with the whole tensor's `tensor_scale(amax)`, encode exactly as the whole does), or one
+        per batch row, `[b, 1, 1, 1]` (rows of several tensors encoded at once)."""
         ts, block_scale, eff, scaled = self._scaled(x, scale)
         parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
         if self.tensor_scale:
-            parts["tensor_scale"] = ts.reshape(1)
+            parts["tensor_scale"] = ts.reshape(-1)
         return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype, parts=parts)
 
     def round_trip(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,7 +82,10 @@ class NVFP4:
         ts = torch.ones((), dtype=torch.float32, device=x.device)
         if self.tensor_scale:
             amax = amax_block.amax() if amax_block.numel() else ts.new_zeros(())
-            ts = tensor_scale(amax) if scale is None else scale.float().reshape(())
+            if scale is not None:
+                ts = scale.float().reshape(() if scale.numel() == 1 else (-1, 1, 1, 1))
+            else:
+                ts = tensor_scale(amax)
         block_scale, eff, scaled = _blocks_under(b, amax_block, E2M1_MAX, ts)
         if self.fit == "lsq":
             err = _error(b, eff, scaled)

@@ -20,6 +20,7 @@ from kvstrata.hf.segments import (
     COMPACT_ROWS,
     Segment,
     append,
+    append_many,
     drop_front,
     encode_segment,
     probe_segment,
@@ -52,6 +53,7 @@ class CompressedLayer(CacheLayerMixin):
         # the prefill waits in full precision for the attention hook's keep scores (`finish_keep`)
         self.pending_keep = False
         self.at_prefill = False  # the next flush encodes the prefill (its last key group may be ragged)
+        self.deferred = False  # an append left its flush to `flush_many`
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -82,10 +84,12 @@ class CompressedLayer(CacheLayerMixin):
         keys, values, _ = self.append(key_states, value_states, offer=False)
         return keys, values
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, offer: bool):
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, offer: bool, defer: bool = False):
         """Append new K/V -> (K, V, view). With `offer` (the cache's attention reads encoded views) a
         decode step returns only the full-precision tail + the new tokens and the encoded part as
-        `view` (no dense copy is made); otherwise everything held + the new tokens, and None."""
+        `view` (no dense copy is made); otherwise everything held + the new tokens, and None. With
+        `defer` a decode step leaves its encoding to `flush_many` (a batched step encodes every
+        sequence's new token at once); `deferred` says it is due."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.pending_keep:
@@ -113,7 +117,10 @@ class CompressedLayer(CacheLayerMixin):
             if first:  # the context prefill: the keep policy acts once, after it
                 self._keep(scores=None)
             self._trim()  # first, so tokens already out of a sliding window are never encoded
-            self._flush()
+            if defer and not first:
+                self.deferred = True
+            else:
+                self._flush()
         # New tokens are attended in full precision now; later steps read them encoded.
         return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2), view
 
@@ -164,6 +171,14 @@ class CompressedLayer(CacheLayerMixin):
         if self.fitted is None:
             self.fitted = Fitted.fit(self.recipe.transforms, self.keys)
         return self.fitted
+
+    def appendable(self) -> int:
+        """Tokens the next flush encodes when it can only append whole key groups into the last
+        segment (a decode step's flush); 0 when that flush would do anything else."""
+        if self.at_prefill or not self.segments or not self.segments[-1].buffers:
+            return 0
+        n = self.keys.shape[-2] - self.recipe.r
+        return max(0, n - n % self.recipe.key_group)
 
     def _flush(self) -> None:
         """Encode all but the newest `r` tail tokens (the oldest `sink` stay apart): the prefill's
@@ -332,3 +347,26 @@ class CompressedSlidingLayer(CompressedLayer):
 
     def get_max_length(self) -> int:
         return self.sliding_window
+
+
+def flush_many(layers: list[CompressedLayer]) -> None:
+    """The deferred flushes of many sequences' layers (one depth of a batched step): those that only
+    append whole key groups into their last segment share one encode per recipe
+    (`segments.append_many`); the rest flush alone. Each layer ends as its own `_flush` leaves it."""
+    groups: dict[tuple, list[CompressedLayer]] = {}
+    for layer in layers:
+        n = layer.appendable()
+        if n:
+            groups.setdefault((layer.recipe, n), []).append(layer)
+        else:
+            layer._flush()
+        layer.deferred = False
+    for (recipe, n), members in groups.items():
+        done = append_many(recipe, [m.segments[-1] for m in members], [m.keys[..., :n, :] for m in members],
+                           [m.values[..., :n, :] for m in members])
+        for m, ok in zip(members, done):
+            if ok:
+                m.keys, m.values = m.keys[..., n:, :].clone(), m.values[..., n:, :].clone()
+            else:
+                m._flush()
+

@@ -91,37 +91,64 @@ def probe_segment(recipe: StoreRecipe, kv_heads: int, head_dim: int, tokens: int
     return encode_segment(recipe, z, z, Fitted.fit(recipe.transforms, z))
 
 
+def has_room(recipe: StoreRecipe, seg: Segment, n: int) -> bool:
+    """Whether `n` more tokens can be appended into `seg`'s spare rows."""
+    if not seg.buffers or n == 0:
+        return False
+    group = recipe.key_group
+    kax, _ = _axes(recipe)
+    kcap = next(iter(seg.buffers["keys"].values())).shape[kax] * (group if kax == 3 else 1)
+    return seg.length + n <= kcap and seg.length % group == 0
+
+
 def append(recipe: StoreRecipe, seg: Segment, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Encode `keys, values: [b, h, n, d]` into `seg`'s spare rows (through its transforms); False
     (nothing written) when there is no room or the rows cannot share the segment's scales (NVFP4's
     tensor scale)."""
-    n = keys.shape[-2]
-    if not seg.buffers or n == 0:
-        return False
+    return append_many(recipe, [seg], [keys], [values])[0]
+
+
+def append_many(recipe: StoreRecipe, segs: list[Segment], keys: list[torch.Tensor],
+                values: list[torch.Tensor]) -> list[bool]:
+    """`append` for the segments of many sequences at once (a batched decode step: one token each,
+    the same recipe), each codec called once over all of them: the codes equal those of one
+    `append` per segment (every codec encodes row by row; NVFP4 gets each segment's tensor scale).
+    Per segment, False: nothing written there (no room, or its rows do not fit its scales)."""
+    n = keys[0].shape[-2]
+    ok = [has_room(recipe, seg, k.shape[-2]) and k.shape[-2] == n for seg, k in zip(segs, keys)]
+    prepared = {i: _prepare(recipe, segs[i].fitted, keys[i], values[i]) for i, good in enumerate(ok) if good}
+    codecs = (recipe.codec, recipe.value_codec)
+    for i, (kt, v, _) in prepared.items():
+        for codec, x, q in zip(codecs, (kt, v), (segs[i].keys, segs[i].values)):
+            held = q.parts.get("tensor_scale")
+            ok[i] = ok[i] and (held is None or codec.fits(x, held))
+    rows = [i for i in prepared if ok[i]]
+    if not rows:
+        return ok
+    new = []
+    for which, codec in enumerate(codecs):
+        x = torch.cat([prepared[i][which] for i in rows], 0)
+        held = [(segs[i].keys, segs[i].values)[which].parts.get("tensor_scale") for i in rows]
+        scale = None if held[0] is None else torch.stack([h.reshape(()) for h in held]).reshape(-1, 1, 1, 1)
+        new.append(codec.encode(x) if scale is None else codec.encode(x, scale))
+    for r, i in enumerate(rows):
+        row = [{part: t[r:r + 1] for part, t in q.parts.items() if part != "tensor_scale"} for q in new]
+        row[0].update(prepared[i][2])
+        _write(recipe, segs[i], row[0], row[1], n)
+    return ok
+
+
+def _write(recipe: StoreRecipe, seg: Segment, kparts: dict, vparts: dict, n: int) -> None:
+    """Copy `n` encoded tokens' parts into `seg`'s spare rows and extend its views over them."""
     group = recipe.key_group
     kax, vax = _axes(recipe)
-    kcap = next(iter(seg.buffers["keys"].values())).shape[kax] * (group if kax == 3 else 1)
-    if seg.length + n > kcap or seg.length % group:
-        return False
-    kt, values, side = _prepare(recipe, seg.fitted, keys, values)
-    scales = [q.parts.get("tensor_scale") for q in (seg.keys, seg.values)]
-    new = []
-    for codec, x, held in zip((recipe.codec, recipe.value_codec), (kt, values), scales):
-        if held is None:
-            new.append(codec.encode(x))
-        elif not codec.fits(x, held):
-            return False
-        else:
-            new.append(codec.encode(x, held))
-    new[0].parts.update(side)
     start = seg.length
-    for name, q, ax, unit in (("keys", new[0], kax, group if kax == 3 else 1), ("values", new[1], vax, 1)):
-        for part, t in q.parts.items():
-            if part != "tensor_scale":
-                seg.buffers[name][part].narrow(ax, start // unit, t.shape[ax]).copy_(t)
+    keys = ("keys", kparts, kax, group if kax == 3 else 1)
+    for name, parts, ax, unit in (keys, ("values", vparts, vax, 1)):
+        for part, t in parts.items():
+            seg.buffers[name][part].narrow(ax, start // unit, t.shape[ax]).copy_(t)
     seg.length += n
     _views(recipe, seg)
-    return True
 
 
 def shrink(seg: Segment) -> None:

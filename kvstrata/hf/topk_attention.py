@@ -53,13 +53,24 @@ def _sparse_attention(module, query, key, value, attention_mask, scaling=None, *
 register_reader(NAME, _sparse_attention)
 
 
+def new_state(model, cache, cfg: TopK) -> ReadState:
+    """A fresh read state for `cache`: which full-attention layers read top-k, byte counts at zero."""
+    full = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
+    modes = dict(zip(full, cfg.modes(len(full))))
+    return ReadState(cfg=cfg, modes=modes, layers=list(cache.layers), head_dim=head_dim(model.config))
+
+
+def read_state(model, cache, spec) -> ReadState | None:
+    """`cache`'s read state when `spec` (a string or parsed MethodSpec) reads top-k, else None (a
+    batched step carries one per row)."""
+    spec = parse_method(spec) if isinstance(spec, str) else spec
+    return new_state(model, cache, spec.full.read) if spec.full.read else None
+
+
 @contextlib.contextmanager
 def sparse_reading(model, cache, cfg: TopK):
     """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
-    full = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
-    modes = dict(zip(full, cfg.modes(len(full))))
-    state = ReadState(cfg=cfg, modes=modes, layers=list(cache.layers), head_dim=head_dim(model.config))
-    with hooked(model, NAME, _STATE, state):
+    with hooked(model, NAME, _STATE, new_state(model, cache, cfg)) as state:
         yield state
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -85,6 +86,68 @@ class Served:
     write_s: float  # cutting new blocks out and handing them to the store (off the first-token path)
 
 
+@dataclass(kw_only=True)
+class Prefill:
+    """A prompt on its way into `cache`: positions [pos, len(ids)) are still to run. Chunks never
+    cross `boundary` (Q, where the block records and SWA state are cut: its callback runs when the
+    prompt reaches it) nor, with a `limit`, span more than `limit` tokens -- so where a prompt is
+    cut depends on it alone, never on what else shares a step. `whole`: the method's keep policy
+    must see the prompt at once (no chunks)."""
+
+    cache: CompressedCache
+    ids: list[int]
+    pos: int
+    kind: ServeKind
+    reused_tokens: int
+    t0: float
+    boundary: tuple[int, Callable[[], None]] | None = None
+    write: Callable[[], None] | None = None  # writes the new records back (after the first token)
+    whole: bool = False
+    write_s: float = 0.0
+    start: int = field(init=False)
+
+    def __post_init__(self):
+        self.start = self.pos
+
+    @property
+    def done(self) -> bool:
+        return self.pos >= len(self.ids)
+
+    def next_chunk(self, limit: int | None = None) -> list[int]:
+        """The next tokens to feed (at most `limit`, None: as many as the boundary allows)."""
+        end = len(self.ids) if limit is None or self.whole else min(len(self.ids), self.pos + limit)
+        if self.boundary is not None and self.pos < self.boundary[0] < end:
+            end = self.boundary[0]
+        return self.ids[self.pos:end]
+
+    def fed(self, n: int) -> None:
+        """`n` more tokens ran through the model into `cache`."""
+        self.pos += n
+        if self.boundary is not None and self.pos == self.boundary[0]:
+            t = time.perf_counter()
+            self.boundary[1]()
+            self.write_s += time.perf_counter() - t
+
+    def finish(self, logits: torch.Tensor) -> Served:
+        """The prompt has run; `logits: [1, vocab]` after its last token. New records are written."""
+        ttft = time.perf_counter() - self.t0 - self.write_s
+        t = time.perf_counter()
+        if self.write is not None:
+            self.write()
+        self.write_s += time.perf_counter() - t
+        return Served(cache=self.cache, logits=logits, kind=self.kind, reused_tokens=self.reused_tokens,
+                      computed_tokens=len(self.ids) - self.start, ttft_s=ttft, write_s=self.write_s)
+
+    def run(self, model, limit: int | None = None) -> Served:
+        """Feed the rest of the prompt one chunk per forward (one sequence alone)."""
+        while True:
+            chunk = self.next_chunk(limit)
+            logits = forward(model, torch.tensor([chunk]), self.cache)[:, -1]
+            self.fed(len(chunk))
+            if self.done:
+                return self.finish(logits)
+
+
 class PrefixServer:
     def __init__(
         self, model, store: KVStore, method: str = "bf16", block_size: int = 256, n_win: ReplayTokens = None,
@@ -121,6 +184,11 @@ class PrefixServer:
 
     def serve(self, ids: list[int], retention: Retention = Retention.PERSISTENT) -> Served:
         """The prompt's cache and next-token logits; new blocks are written back under `retention`."""
+        return self.begin(ids, retention).run(self.model)
+
+    def begin(self, ids: list[int], retention: Retention = Retention.PERSISTENT) -> Prefill:
+        """Look the prompt up and install what the store holds: the rest of it is left to feed (a
+        server feeds it in chunks, within its batched steps)."""
         if not ids or not all(isinstance(t, int) and 0 <= t < self.vocab for t in ids):
             raise ValueError(f"serve needs a non-empty list of token ids in [0, {self.vocab})")
         retention = Retention(retention)
@@ -140,24 +208,21 @@ class PrefixServer:
             records.append(held)
         cache, start, kind, P = self._install(records, found, sliding)
         Q = max(P, usable * self.block)
-        write_s, snapshot = 0.0, None
-        if start < Q:
-            forward(self.model, torch.tensor([ids[start:Q]]), cache)
-            t1 = time.perf_counter()
-            snapshot = self._snapshot(cache, P, Q)  # the state at the block boundary, before the remainder
-            write_s += time.perf_counter() - t1
-        logits = forward(self.model, torch.tensor([ids[Q:]]), cache)[:, -1]
-        ttft = time.perf_counter() - t0 - write_s
-        t1 = time.perf_counter()
-        if snapshot is not None:
-            blocks, windows = snapshot
-            for b, record in blocks.items():
+        pending: dict = {}
+
+        def snapshot() -> None:  # the state at the block boundary Q, before the remainder runs
+            pending["blocks"], pending["windows"] = self._snapshot(cache, P, Q)
+
+        def write() -> None:
+            if not pending:
+                return
+            for b, record in pending["blocks"].items():
                 self.store.put_global(hashes[b], *record, namespace=self.ns, retention=retention)
-            if windows is not None:
-                self.store.put_swa(hashes[Q // self.block - 1], *windows, namespace=self.ns)
-        write_s += time.perf_counter() - t1
-        return Served(cache=cache, logits=logits, kind=kind, reused_tokens=P,
-                      computed_tokens=len(ids) - start, ttft_s=ttft, write_s=write_s)
+            if pending["windows"] is not None:
+                self.store.put_swa(hashes[Q // self.block - 1], *pending["windows"], namespace=self.ns)
+
+        return Prefill(cache=cache, ids=ids, pos=start, kind=kind, reused_tokens=P, t0=t0,
+                       boundary=(Q, snapshot) if start < Q else None, write=write)
 
     def _install(self, records: list[dict[int, Held]], found, sliding: list[int]):
         """(cache, first position to compute, kind, tokens reused): the records' codes installed as

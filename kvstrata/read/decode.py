@@ -26,6 +26,7 @@ _KINDS = {"bf16": (1, 0), "fp8": (2, None), "nvfp4": (3, 16), "mxfp4": (4, 32), 
           "int2": (6, None), "int3": (7, None)}
 F32 = 0
 _NONE = torch.empty(0)
+_NO_IDX = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(kw_only=True)
@@ -210,12 +211,50 @@ def decode_attention(
 
     The query, tail and bias are first moved into the codes' space by the view's transforms, one by
     one in pipeline order; their output fix-ups run in reverse."""
+    a, idx, fixes = _enter(query, view, tail_k, tail_v, softcap, idx, bias)
+    out = attend_codes(a.query, view, a.tail_k, a.tail_v, scaling, softcap, idx, fused, a.bias)
+    return _leave(out, fixes)
+
+
+def decode_attention_rows(
+    queries: list[torch.Tensor], views: list[EncodedView], tails_k: list[torch.Tensor],
+    tails_v: list[torch.Tensor], scaling: float, softcap: float | None = None,
+    idxs: list[torch.Tensor | None] | None = None, fused: bool = True,
+) -> list[torch.Tensor]:
+    """`decode_attention` for many sequences of different lengths at once (a batched decode step:
+    row i is `queries[i]` over `views[i]` + its tail, `idxs[i]` its sparse positions or None). On
+    the CPU the kernel takes every row in one call (varlen, nothing padded) and each row's result
+    equals its own `decode_attention`; elsewhere the rows run one by one."""
+    idxs = idxs if idxs is not None else [None] * len(queries)
+    entered = [_enter(q, v, k, t, softcap, i, None)
+               for q, v, k, t, i in zip(queries, views, tails_k, tails_v, idxs)]
+    module = cpu.load() if fused else None
+    one_call = module is not None and all(
+        q.device.type == "cpu" and all(x.codec.name in _KINDS for run in v.runs for x in run[:2])
+        for q, v in zip(queries, views))
+    if not one_call:
+        outs = [attend_codes(a.query, v, a.tail_k, a.tail_v, scaling, softcap, idx, fused, a.bias)
+                for (a, idx, _), v in zip(entered, views)]
+    else:
+        rows = [[a.query[:, :, 0].float().contiguous(), *kernel_args(v, a.tail_k, a.tail_v),
+                 _NO_IDX if idx is None else idx, _NONE if a.bias is None else a.bias.float()]
+                for (a, idx, _), v in zip(entered, views)]
+        q, kp, km, kt, vp, vm, vt, ix, bias = (list(col) for col in zip(*rows))
+        outs = module.decode_attention_varlen(q, kp, km, kt, vp, vm, vt, float(scaling),
+                                              float(softcap or 0.0), ix, bias)
+    return [_leave(out, fixes) for out, (_, _, fixes) in zip(outs, entered)]
+
+
+def _enter(query, view: EncodedView, tail_k, tail_v, softcap, idx, bias):
+    """The query, tail, bias and positions moved into the codes' space: (Attend, idx, fix-ups)."""
     a = Attend(query=query, tail_k=tail_k, tail_v=tail_v, bias=bias, softcap=softcap,
                tokens=view.tokens + tail_k.shape[-2])
     if view.sink is not None:
         idx = _sink_to_tail(view, a, idx)
-    fixes = view.fitted.enter(a, view.side)
-    out = attend_codes(a.query, view, a.tail_k, a.tail_v, scaling, softcap, idx, fused, a.bias)
+    return a, idx, view.fitted.enter(a, view.side)
+
+
+def _leave(out: torch.Tensor, fixes) -> torch.Tensor:
     for fix in reversed(fixes):
         out = fix(out)
     return out
@@ -238,9 +277,8 @@ def attend_codes(
     if module is not None and query.device.type == "cpu":
         q = query[:, :, 0].float().contiguous()
         kp, km, kt, vp, vm, vt = kernel_args(view, tail_k, tail_v)
-        empty = torch.empty(0, dtype=torch.int64)
         return module.decode_attention(
-            q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0), empty if idx is None else idx,
+            q, kp, km, kt, vp, vm, vt, float(scaling), float(softcap or 0.0), _NO_IDX if idx is None else idx,
             torch.empty(0) if bias is None else bias.float(),
         )
     ks, vs = _raw_runs(view)
@@ -259,4 +297,5 @@ def _raw_runs(view: EncodedView) -> tuple[list[torch.Tensor], list[torch.Tensor]
     return [k for k, _ in runs], [v for _, v in runs]
 
 
-__all__ = ["EncodedView", "decode_attention", "decode_run", "per_query_head", "reference_attention"]
+__all__ = ["EncodedView", "decode_attention", "decode_attention_rows", "decode_run", "per_query_head",
+           "reference_attention"]

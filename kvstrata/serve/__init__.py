@@ -2,7 +2,8 @@
 
 Layers: above `place` (the store, `PrefixServer`) and `bench`, below `cli`. Modules, edge to core:
 `app` (routes, SSE), `schemas` (request validation), `auth` (API keys, tenant salt), `prompts`
-(tokenizer, chat template, context checks), `worker` (the model worker and its bounded queue),
+(tokenizer, chat template, context checks), `worker` (the model worker: batched steps, bounded
+queue), `scheduler` (admission under the KV budget, which rows share a step),
 `sampling`, `text` (stop sequences, streaming deltas), `sessions` (prompts through the store),
 `write_behind` (writes off the first-token path, retention classes), `metrics` (Prometheus),
 `server` (assembly), `process` (a server subprocess), `bench` (`kvstrata serve-bench`).

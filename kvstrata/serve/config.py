@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvstrata.names import Retention
 from kvstrata.place.prefix_server import EXACT, ReplayTokens
+from kvstrata.serve.scheduler import Limits
 
 RETENTIONS = tuple(r.value for r in Retention)
 
@@ -23,8 +24,12 @@ class ServeConfig:
     api_key_file: str = ""  # one key per line; when set, /v1/* needs `Authorization: Bearer <key>`
     store_config: str = ""  # TOML with a [store] table (KVSTRATA_STORE_* env vars apply too)
     use_store: bool = True  # False: every request a full prefill, nothing written (the baseline)
-    max_active: int = 4  # requests the worker interleaves, one decode step each in turn
-    max_queue: int = 16  # requests waiting beyond those; one more is answered 429
+    max_running: int = Limits.max_running  # requests in the worker's batch at once
+    max_queue: int = Limits.max_queue  # requests waiting beyond those; one more is answered 429
+    max_batched_tokens: int = Limits.max_batched_tokens  # tokens per batched forward
+    prefill_chunk: int = Limits.prefill_chunk  # most tokens of one prompt per step
+    kv_budget_mb: float = 0.0  # KV the running requests may hold at their longest (MiB); 0: no limit
+    batching: bool = True  # False: one request per forward (the unbatched worker, for comparison)
     request_timeout_s: float = 300.0  # deadline per request, from its arrival
     default_max_tokens: int = 256  # when a request names none (capped by the context left)
     # tokens replayed on an SWA miss: a count, "exact" (the sliding layers' receptive field: answers
@@ -38,8 +43,7 @@ class ServeConfig:
     def __post_init__(self):
         checks = [
             (1 <= self.port <= 65535, f"port must be in 1..65535, got {self.port}"),
-            (self.max_active >= 1, f"max_active must be >= 1, got {self.max_active}"),
-            (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
+            (self.kv_budget_mb >= 0, f"kv_budget_mb must be >= 0, got {self.kv_budget_mb}"),
             (self.request_timeout_s > 0, f"request_timeout_s must be > 0, got {self.request_timeout_s}"),
             (self.default_max_tokens >= 1, f"default_max_tokens must be >= 1, got {self.default_max_tokens}"),
             (self.replay_tokens in (None, EXACT) or (isinstance(self.replay_tokens, int)
@@ -53,6 +57,13 @@ class ServeConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.limits  # noqa: B018 - checks the scheduler's settings too
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(max_running=self.max_running, max_queue=self.max_queue,
+                      max_batched_tokens=self.max_batched_tokens, prefill_chunk=self.prefill_chunk,
+                      kv_budget_bytes=int(self.kv_budget_mb * 2**20), batching=self.batching)
 
     @property
     def name(self) -> str:

@@ -57,7 +57,7 @@ def build(cfg: ServeConfig):
     prompts = Prompts(tok, text.max_position_embeddings, text.vocab_size)
     metrics = Metrics(store)
     worker = Worker(model, sessions, prompts.decode, prompts.eos_ids(model), prompts.context, metrics,
-                    cfg.max_active, cfg.max_queue)
+                    cfg.limits)
     rt = Runtime(cfg, prompts, worker, metrics, keys, store,
                  sessions.namespace[:16] or "no-store", int(time.time()))
     where = (

@@ -12,14 +12,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-import torch
-
 from kvstrata.hf.cache import CompressedCache
-from kvstrata.hf.run import forward
 from kvstrata.methods import parse_method
 from kvstrata.names import Retention, ServeKind
 from kvstrata.place.prefix_keys import model_fingerprint
-from kvstrata.place.prefix_server import PrefixServer, ReplayTokens, Served, weights_digest
+from kvstrata.place.prefix_server import Prefill, PrefixServer, ReplayTokens, Served, weights_digest
 from kvstrata.serve.write_behind import WriteBehindStore
 
 MAX_TENANTS = 4096  # PrefixServers kept; one is cheap to rebuild (no weight hashing)
@@ -31,6 +28,8 @@ class Sessions:
         self.model, self.store, self.block, self.n_win = model, store, block_size, replay_tokens
         self.method = method
         self.spec = parse_method(method)
+        # a keep policy acts once, on the whole prompt: such prompts are not cut into chunks
+        self.whole = any(r.keep is not None for r in self.spec.recipes())
         self._servers: OrderedDict[bytes, PrefixServer] = OrderedDict()
         self.fingerprint = None
         self.namespace = ""
@@ -51,16 +50,18 @@ class Sessions:
         self._servers.move_to_end(tenant)
         return server
 
-    def serve(self, ids: list[int], tenant: bytes, retention: Retention) -> Served:
-        """The prompt's cache and next-token logits; with the store, new blocks are queued for writing
-        under `retention`."""
+    def begin(self, ids: list[int], tenant: bytes, retention: Retention) -> Prefill:
+        """The prompt looked up and installed, the rest left to feed; with the store, new blocks are
+        queued for writing under `retention` when it finishes."""
         if self.store is None:
-            return self._uncached(ids)
-        return self._server(tenant).serve(ids, retention)
+            cache = CompressedCache(self.model.config, self.spec)
+            prefill = Prefill(cache=cache, ids=ids, pos=0, kind=ServeKind.MISS, reused_tokens=0,
+                              t0=time.perf_counter())
+        else:
+            prefill = self._server(tenant).begin(ids, retention)
+        prefill.whole = self.whole
+        return prefill
 
-    def _uncached(self, ids: list[int]) -> Served:
-        t0 = time.perf_counter()
-        cache = CompressedCache(self.model.config, self.spec)
-        logits = forward(self.model, torch.tensor([ids]), cache)[:, -1]
-        return Served(cache=cache, logits=logits, kind=ServeKind.MISS, reused_tokens=0,
-                      computed_tokens=len(ids), ttft_s=time.perf_counter() - t0, write_s=0.0)
+    def serve(self, ids: list[int], tenant: bytes, retention: Retention) -> Served:
+        """The prompt's cache and next-token logits (one forward per store boundary)."""
+        return self.begin(ids, tenant, retention).run(self.model)

@@ -1,19 +1,19 @@
-"""The single model worker: one thread owns the model and interleaves requests step by step.
+"""The single model worker: one thread owns the model and runs every request in batched steps.
 
-Scheduling: up to `max_active` requests run at once, one step at a time: a new request's prefill
-through the store (the whole prompt at once) goes first, then the running requests take one decode
-token each in turn -- so a new request's first token waits for the step in flight and the prefills
-queued before it, never for other requests' whole answers. Steps are not batched into one forward:
-each request has its own `CompressedCache` (its own length, segments and replay state) and the
-transformers cache holds one sequence length per layer, so batching would need a ragged, batched
-compressed cache. The price is throughput under concurrency (a decode step reads the weights once
-per request, not once per batch); `serve-bench` measures it. At most `max_queue` more requests
-wait; one beyond that is refused at once (429 with `Retry-After`).
+Each step is one forward (`kvstrata.hf.batch.batched_forward`) over a row per request that the
+scheduler (`kvstrata.serve.scheduler`) picked: one token for each request that is decoding, and
+chunks of waiting prefills within the step's token budget (chunked prefill: a long new prompt does
+not stall the running streams). Every request keeps its own `CompressedCache` and its own store
+state (hit, replay or miss, records written when its prompt has run); the linear layers run once
+over the batch and attention runs per row over that row's codes. At most `max_running` requests
+run at once (and, with a KV budget, only as many as their caches fit at their longest); at most
+`max_queue` more wait; one beyond that is refused at once (429 with `Retry-After`).
 
 Each request checks, between steps, whether its client went away (generation stops) and whether
 its deadline passed (before the first token: 504; after: it ends as if `max_tokens` were reached).
-Results go back through the request's `emit` as events (`TextDelta`, `Finished`, `Failed`), which
-is safe to call from this thread.
+A request whose row fails (an exception in its cache) fails alone with a 500; the other rows of
+the step are unaffected. Results go back through the request's `emit` as events (`TextDelta`,
+`Finished`, `Failed`), which is safe to call from this thread.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvstrata.hf.run import forward
-from kvstrata.hf.topk_attention import reading
+from kvstrata.hf.batch import Row, batched_forward
+from kvstrata.hf.topk_attention import read_state
 from kvstrata.names import FinishReason, Retention, ServeKind
+from kvstrata.place.prefix_server import Prefill, Served
 from kvstrata.serve.errors import APIError
 from kvstrata.serve.sampling import Sampler, Sampling
+from kvstrata.serve.scheduler import Limits, admit, kv_rate, plan
 from kvstrata.serve.streaming import TextStream
 
 log = logging.getLogger("kvstrata.serve")
@@ -104,28 +106,34 @@ class Outcome:
 
 
 class _Run:
-    """One active request: its cache, sampler, text so far."""
+    """One admitted request: its prompt on its way in, then its cache, sampler and text so far."""
 
-    def __init__(self, job: Job, decode: Callable[[list[int]], str]):
+    def __init__(self, job: Job, decode: Callable[[list[int]], str], need: int):
         self.job = job
-        self.served = None
+        self.need = need  # KV bytes reserved for it
+        self.prefill: Prefill | None = None
+        self.served: Served | None = None
+        self.read = None  # its top-k read state, when the method reads sparsely
+        self.chunk: list[int] = []  # what its row feeds this step
         self.sampler = Sampler(job.sampling)
         self.text = TextStream(decode, job.stops)
         self.tokens = 0
         self.last = -1
         self.started = 0.0
         self.ttft = 0.0
+        self.ended = False
 
 
 class Worker:
     def __init__(
         self, model, sessions, decode: Callable[[list[int]], str], eos_ids: set[int], context: int, metrics,
-        max_active: int = 4, max_queue: int = 16,
+        limits: Limits | None = None,
     ):
         self.model, self.sessions, self.decode, self.eos, self.context = (
             model, sessions, decode, eos_ids, context,
         )
-        self.metrics, self.max_active, self.max_queue = metrics, max_active, max_queue
+        self.metrics, self.limits = metrics, limits or Limits()
+        self.rate = kv_rate(model.config, sessions.method) if self.limits.kv_budget_bytes else None
         self._waiting: deque[Job] = deque()
         self._active = 0
         self._cond = threading.Condition()
@@ -147,13 +155,27 @@ class Worker:
         with self._cond:
             return len(self._waiting), self._active
 
+    def need(self, job: Job) -> int:
+        """KV bytes `job`'s cache holds at its longest (0 without a KV budget)."""
+        if self.rate is None:
+            return 0
+        return self.rate.bytes(min(len(job.ids) + job.max_tokens, self.context))
+
     def submit(self, job: Job) -> None:
-        """Queue `job`, or refuse it: 429 when full, 503 when shutting down."""
+        """Queue `job`, or refuse it: 400 when its KV alone exceeds the budget, 429 when full, 503 when
+        shutting down."""
+        need, budget = self.need(job), self.limits.kv_budget_bytes
+        if budget and need > budget:
+            raise APIError(400, f"prompt + max_tokens ({len(job.ids)} + {job.max_tokens} tokens) needs "
+                                f"{need / 2**20:.1f} MiB of KV; the server's KV budget is "
+                                f"{budget / 2**20:.1f} MiB",
+                           code="context_length_exceeded")
         with self._cond:
             if self._stopping:
                 raise APIError(503, "the server is shutting down")
-            if len(self._waiting) + self._active >= self.max_active + self.max_queue:
-                wait = math.ceil(self._service_s * (len(self._waiting) + 1) / self.max_active)
+            running = self.limits.max_running
+            if len(self._waiting) + self._active >= running + self.limits.max_queue:
+                wait = math.ceil(self._service_s * (len(self._waiting) + 1) / running)
                 raise APIError(
                     429,
                     f"the server is busy ({self._active} running, {len(self._waiting)} waiting); retry later",
@@ -165,35 +187,35 @@ class Worker:
 
     def _loop(self) -> None:
         active: list[_Run] = []  # in admission order
-        turn = 0  # round-robin position among the requests that are decoding
+        turn = 0  # rotates the unbatched worker over its decoding requests
         while True:
             with self._cond:
                 while not self._waiting and not active and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     break
-                while self._waiting and len(active) < self.max_active:
-                    active.append(_Run(self._waiting.popleft(), self.decode))
+                reserved = sum(r.need for r in active)
+                needs = [self.need(job) for job in list(self._waiting)[: self.limits.max_running]]
+                for _ in range(admit(needs, len(active), reserved, self.limits)):
+                    job = self._waiting.popleft()
+                    active.append(_Run(job, self.decode, self.need(job)))
                 self._active = len(active)
                 self.metrics.waiting.set(len(self._waiting))
                 self.metrics.active.set(self._active)
-            # prefill first: a new request waits for at most the step in flight, not a round of them
-            i = next((j for j, r in enumerate(active) if r.served is None), None)
-            if i is None:
-                i = turn = turn % len(active)
+            active = [r for r in active if not self._check(r)]
+            if active:
+                self._step(active, turn)
                 turn += 1
-            if self._step(active[i]):
-                del active[i]
-                turn -= i < turn
+                active = [r for r in active if not r.ended]
             with self._cond:
                 self._active = len(active)
         for run in active + list(self._waiting):  # shutting down
             job = run.job if isinstance(run, _Run) else run
             job.emit(Failed(APIError(503, "the server is shutting down")))
 
-    # --- one step of one request --------------------------------------------------------------
-    def _step(self, run: _Run) -> bool:
-        """Advance `run` by one step; True when it has ended."""
+    # --- one batched step ---------------------------------------------------------------------
+    def _check(self, run: _Run) -> bool:
+        """Between steps: True when `run` ended (cancelled, past its deadline, or its prompt failed)."""
         job = run.job
         if job.cancelled.is_set():
             return self._end(run, FinishReason.CANCELLED)
@@ -203,19 +225,53 @@ class Worker:
                 self.metrics.finished.labels("deadline").inc()
                 return True
             return self._end(run, FinishReason.LENGTH, timed_out=True)
-        try:
-            if run.served is None:
+        if run.prefill is None and run.served is None:
+            try:
                 run.started = time.monotonic()
-                run.served = self.sessions.serve(job.ids, job.tenant, job.retention)
-                return self._take(run, run.served.logits)
-            with reading(self.model, run.served.cache, self.sessions.spec):
-                logits = forward(self.model, torch.tensor([[run.last]]), run.served.cache)[:, -1]
-            return self._take(run, logits)
-        except Exception:  # a bug of ours, not the client's: log it, answer 500 without a traceback
+                run.prefill = self.sessions.begin(job.ids, job.tenant, job.retention)
+                run.read = read_state(self.model, run.prefill.cache, self.sessions.spec)
+            except Exception:  # a bug of ours, not the client's: log it, answer 500 without a traceback
+                return self._fail(run)
+        return False
+
+    def _step(self, active: list[_Run], turn: int) -> None:
+        decoding = [i for i, r in enumerate(active) if r.served is not None]
+        prefilling = []
+        for i, r in enumerate(active):
+            if r.served is None:
+                r.chunk = r.prefill.next_chunk(self.limits.prefill_chunk)
+                prefilling.append((i, len(r.chunk)))
+        runs = [active[i] for i in plan(decoding, prefilling, self.limits, turn)]
+        rows = [Row(cache=(r.served or r.prefill).cache, ids=[r.last] if r.served else r.chunk, read=r.read)
+                for r in runs]
+        try:
+            logits = batched_forward(self.model, rows)
+        except Exception:  # the batch itself failed (not one row): every request in it fails
+            for r in runs:
+                self._fail(r)
+            return
+        for i, (r, row) in enumerate(zip(runs, rows)):
+            if row.error is not None:
+                log.error("request failed in the model worker", exc_info=row.error)
+                self._fail(r, logged=True)
+                continue
+            try:
+                if r.served is None:
+                    r.prefill.fed(len(row.ids))
+                    if not r.prefill.done:
+                        continue
+                    r.served, r.prefill = r.prefill.finish(logits[i:i + 1]), None
+                self._take(r, logits[i:i + 1])
+            except Exception:
+                self._fail(r)
+
+    def _fail(self, run: _Run, logged: bool = False) -> bool:
+        if not logged:
             log.exception("request failed in the model worker")
-            job.emit(Failed(APIError(500, "internal error while generating (logged by the server)")))
-            self.metrics.finished.labels("error").inc()
-            return True
+        run.job.emit(Failed(APIError(500, "internal error while generating (logged by the server)")))
+        self.metrics.finished.labels("error").inc()
+        run.ended = True
+        return True
 
     def _take(self, run: _Run, logits: torch.Tensor) -> bool:
         token = run.sampler(logits)
@@ -237,6 +293,7 @@ class Worker:
 
     def _end(self, run: _Run, reason: FinishReason, timed_out: bool = False) -> bool:
         job, served = run.job, run.served
+        run.ended = True
         self.metrics.finished.labels("deadline" if timed_out else reason).inc()
         if served is None:  # cancelled while waiting
             return True

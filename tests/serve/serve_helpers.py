@@ -1,10 +1,21 @@
 """Real `kvstrata serve` processes on 127.0.0.1 (free ports) and the official `openai` client."""
 
+import threading
+import time
 from pathlib import Path
 
 import openai
 import torch
 
+from kvstrata.names import Retention
+from kvstrata.place.disk import DiskTier
+from kvstrata.place.memory import MemoryTier
+from kvstrata.serve.metrics import Metrics
+from kvstrata.serve.sampling import Sampling
+from kvstrata.serve.scheduler import Limits
+from kvstrata.serve.sessions import Sessions
+from kvstrata.serve.worker import Finished, Job, TextDelta, Worker
+from kvstrata.serve.write_behind import WriteBehindStore
 from kvstrata_lab.serve_bench.process import ServerProcess
 
 BLOCK = 16  # tokens per block: small, so short prompts span several
@@ -47,3 +58,76 @@ def text_of(n: int, seed: int = 0) -> str:
     while len(" ".join(out)) < n:
         out.append(words[int(torch.randint(len(words), (1,), generator=g))])
     return " ".join(out)[:n]
+
+
+# --- the worker in-process (batched vs unbatched) -------------------------------------------------
+STORE_BLOCK = 8
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Harness:
+    """A worker over a fresh disk store; `ask` submits and returns a handle to wait on."""
+
+    def __init__(self, model, method, tmp, limits: Limits):
+        self.store = WriteBehindStore(DiskTier(tmp / "g", 1 << 26), MemoryTier(1 << 24), swa_ttl_s=300)
+        sessions = Sessions(model, method, self.store, block_size=STORE_BLOCK, replay_tokens="exact")
+        self.worker = Worker(model, sessions, lambda ids: ",".join(map(str, ids)), set(), 4096,
+                             Metrics(self.store), limits)
+        self.worker.start()
+
+    def ask(self, ids: list[int], max_tokens: int) -> dict:
+        got: dict = {"deltas": 0, "done": threading.Event()}
+
+        def emit(event):
+            if isinstance(event, TextDelta):
+                got["deltas"] += 1
+            else:
+                got["event"] = event
+                got["done"].set()
+
+        job = Job(ids=ids, max_tokens=max_tokens, sampling=Sampling(), stops=(), tenant=b"",
+                  retention=Retention.PERSISTENT, deadline=time.monotonic() + 300, emit=emit)
+        self.worker.submit(job)
+        got["job"] = job
+        return got
+
+    def cancel(self, handle: dict) -> None:
+        handle["job"].cancelled.set()
+
+    def close(self):
+        self.worker.stop()
+        self.store.close()
+
+
+def answer(handle: dict) -> tuple[str, str]:
+    assert handle["done"].wait(300)
+    event = handle["event"]
+    assert isinstance(event, Finished), event
+    return event.outcome.text, event.outcome.kind
+
+
+def scenario(model, method, tmp, batching: bool) -> list[tuple[str, str]]:
+    """Misses (one joining while another decodes, one leaving early), hits on longer prompts, then
+    replays after the SWA pool is emptied -- the same requests in the same order for both workers."""
+    h = Harness(model, method, tmp, Limits(max_running=8, max_batched_tokens=40, prefill_chunk=16,
+                                           batching=batching))
+    try:
+        out = []
+        a = h.ask(prompt(1, 45), 14)
+        while a["deltas"] < 3 and not a["done"].is_set():
+            time.sleep(0.001)
+        rest = [h.ask(prompt(2, 60), 3), h.ask(prompt(3, 21), 9), h.ask(prompt(4, 5), 6)]
+        out += [answer(x) for x in [a, *rest]]
+        assert h.store.flush()
+        hits = [h.ask(prompt(s, n) + prompt(s + 10, 7), 8) for s, n in ((1, 45), (2, 60), (3, 21))]
+        out += [answer(x) for x in hits]
+        assert h.store.flush()
+        h.store.swa_tier._data.clear()
+        replays = [h.ask(prompt(s, n) + prompt(s + 10, 7) + [9], 5) for s, n in ((1, 45), (2, 60))]
+        out += [answer(x) for x in replays]
+        return out
+    finally:
+        h.close()

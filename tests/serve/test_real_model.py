@@ -1,8 +1,10 @@
 """SmolLM2-135M-Instruct through a real server: a two-turn chat whose second turn is served from the
-store, each greedy answer equal to `kvstrata generate`'s for the same templated prompt."""
+store, each greedy answer equal to `kvstrata generate`'s for the same templated prompt; and the
+batched worker's answers equal the unbatched worker's on it (misses, hits, requests joining and
+leaving mid-batch)."""
 
 import pytest
-from serve_helpers import BLOCK, chat_ids, client, greedy_reference, start_server
+from serve_helpers import BLOCK, chat_ids, client, greedy_reference, scenario, start_server
 
 from kvstrata.models import KNOWN_MODELS, load
 
@@ -34,3 +36,18 @@ def test_smollm2_chat_round_trip_hits_on_the_second_turn(tmp_path):
         assert "Paris" in messages[2]["content"]
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not KNOWN_MODELS[MODEL].installed():
+        pytest.fail(f"{MODEL} missing: {KNOWN_MODELS[MODEL].install_command}")
+    return load(MODEL)[0]
+
+
+LSQ = "int4:keys=channel,group=96,r=0,v=nvfp4,fit=lsq,sink=4,rot=hadamard"
+
+
+@pytest.mark.parametrize("method", ["bf16", "nvfp4", LSQ])
+def test_smollm2_batched_answers_equal_unbatched_ones(method, smollm2, tmp_path):
+    assert scenario(smollm2, method, tmp_path / "b", True) == scenario(smollm2, method, tmp_path / "u", False)

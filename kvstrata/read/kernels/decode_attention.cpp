@@ -418,104 +418,121 @@ std::vector<Tile> dense_tiles(const std::vector<Run>& K) {
   return tiles;
 }
 
-}  // namespace
+// One sequence's attention problem: its runs, tiles and work split. A varlen call holds one per
+// request; each is split exactly as a single call would split it, so every row's result is the
+// single-request kernel's, bit for bit.
+struct Problem {
+  torch::Tensor q, km, vm, kt, vt, idx, bias, out;
+  std::vector<Run> K, V;
+  std::vector<int64_t> starts;  // logical position where each run's visible tokens begin
+  std::vector<Tile> all;        // dense tiles (empty when sparse)
+  std::vector<Partial> parts;
+  int64_t B = 0, Hq = 0, Hk = 1, total = 0, m = 0, units = 0, splits = 1;
+  int d = 0, dp = 0, G = 1;
+  bool sparse = false, biased = false;
+  int64_t work() const { return B * Hk * splits; }
+};
 
 // q: [B, Hq, d] float32; parts: 3 tensors per run (codes, scales, mins; undefined/empty when unused);
 // meta: int64 [runs, 5] (kind, channel, length, skip, block); tscale: float32 [runs]; K and V runs
 // pair up (same tokens). idx: int64 [B, Hk, m] logical positions over the visible tokens of the runs
 // in order (sorted), or empty for every token. bias: float32 [B, Hq, visible tokens] added to the
-// scores before scaling (outlier key channels kept apart), or empty. Returns [B, Hq, d] float32.
-torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kparts, torch::Tensor kmeta, torch::Tensor kts,
-                               std::vector<torch::Tensor> vparts, torch::Tensor vmeta, torch::Tensor vts, double scaling,
-                               double softcap, torch::Tensor idx, torch::Tensor bias) {
+// scores before scaling (outlier key channels kept apart), or empty.
+void prepare(Problem& p, const torch::Tensor& q, const std::vector<torch::Tensor>& kparts, const torch::Tensor& kmeta,
+             const torch::Tensor& kts, const std::vector<torch::Tensor>& vparts, const torch::Tensor& vmeta,
+             const torch::Tensor& vts, const torch::Tensor& idx, const torch::Tensor& bias, int threads) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be contiguous float32 [B, Hq, d]");
-  const int64_t B = q.size(0), Hq = q.size(1);
-  const int d = (int)q.size(2);
-  TORCH_CHECK(d <= MAX_DIM, "head_dim too large");
-  auto km = kmeta.contiguous(), vm = vmeta.contiguous();
-  auto kt = kts.contiguous(), vt = vts.contiguous();
-  const int64_t nruns = km.size(0);
-  TORCH_CHECK(vm.size(0) == nruns && (int64_t)kparts.size() == 3 * nruns && (int64_t)vparts.size() == 3 * nruns,
+  p.q = q;
+  p.B = q.size(0);
+  p.Hq = q.size(1);
+  p.d = (int)q.size(2);
+  TORCH_CHECK(p.d <= MAX_DIM, "head_dim too large");
+  p.km = kmeta.contiguous();
+  p.vm = vmeta.contiguous();
+  p.kt = kts.contiguous();
+  p.vt = vts.contiguous();
+  const int64_t nruns = p.km.size(0);
+  TORCH_CHECK(p.vm.size(0) == nruns && (int64_t)kparts.size() == 3 * nruns && (int64_t)vparts.size() == 3 * nruns,
               "K and V need the same runs");
-  std::vector<Run> K, V;
-  int dp = d;
+  p.dp = p.d;
   for (int64_t i = 0; i < nruns; i++) {
-    K.push_back(make_run(kparts, km.data_ptr<int64_t>() + 5 * i, kt.data_ptr<float>()[i], i));
-    V.push_back(make_run(vparts, vm.data_ptr<int64_t>() + 5 * i, vt.data_ptr<float>()[i], i));
-    for (const Run* r : {&K.back(), &V.back()})
-      if (!r->channel && r->block > 0) dp = std::max(dp, (int)((d + r->block - 1) / r->block * r->block));
+    p.K.push_back(make_run(kparts, p.km.data_ptr<int64_t>() + 5 * i, p.kt.data_ptr<float>()[i], i));
+    p.V.push_back(make_run(vparts, p.vm.data_ptr<int64_t>() + 5 * i, p.vt.data_ptr<float>()[i], i));
+    for (const Run* r : {&p.K.back(), &p.V.back()})
+      if (!r->channel && r->block > 0) p.dp = std::max(p.dp, (int)((p.d + r->block - 1) / r->block * r->block));
   }
   // Channel-grouped key runs decode into a [d, TILE] buffer; rows need dp columns
-  const int64_t Hk = K.empty() ? 1 : (kparts[0].dim() >= 2 ? kparts[0].size(1) : 1);
-  TORCH_CHECK(Hq % Hk == 0, "query heads must be a multiple of KV heads");
-  const int G = (int)(Hq / Hk);
-  const bool sparse = idx.defined() && idx.numel() > 0;
-  std::vector<int64_t> starts;  // logical position where each run's visible tokens begin
-  int64_t total = 0;
-  for (const Run& r : K) {
-    starts.push_back(total);
-    total += r.visible();
+  p.Hk = p.K.empty() ? 1 : (kparts[0].dim() >= 2 ? kparts[0].size(1) : 1);
+  TORCH_CHECK(p.Hq % p.Hk == 0, "query heads must be a multiple of KV heads");
+  p.G = (int)(p.Hq / p.Hk);
+  p.sparse = idx.defined() && idx.numel() > 0;
+  for (const Run& r : p.K) {
+    p.starts.push_back(p.total);
+    p.total += r.visible();
   }
-  const bool biased = bias.defined() && bias.numel() > 0;
-  auto biasc = biased ? bias.to(torch::kFloat32).contiguous() : bias;
-  TORCH_CHECK(!biased || (biasc.dim() == 3 && biasc.size(0) == B && biasc.size(1) == Hq && biasc.size(2) == total),
+  p.biased = bias.defined() && bias.numel() > 0;
+  p.bias = p.biased ? bias.to(torch::kFloat32).contiguous() : bias;
+  TORCH_CHECK(!p.biased || (p.bias.dim() == 3 && p.bias.size(0) == p.B && p.bias.size(1) == p.Hq && p.bias.size(2) == p.total),
               "bias must be float32 [B, Hq, visible tokens]");
-  std::vector<Tile> all = sparse ? std::vector<Tile>() : dense_tiles(K);
-  const int64_t m = sparse ? idx.size(2) : 0;
-  const int64_t units = sparse ? (m + TILE - 1) / TILE : (int64_t)all.size();
-  const int threads = at::get_num_threads();
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(units, (2 * threads + B * Hk - 1) / (B * Hk)));
-  if (units < 4) splits = 1;
-  std::vector<Partial> parts(B * Hk * splits);
-  auto idxc = sparse ? idx.to(torch::kInt64).contiguous() : idx;
-  const float* qp = q.data_ptr<float>();
-  at::parallel_for(0, B * Hk * splits, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t w = lo; w < hi; w++) {
-      const int64_t sp = w % splits, bh = w / splits, b = bh / Hk, h = bh % Hk;
-      const int64_t u0 = units * sp / splits, u1 = units * (sp + 1) / splits;
-      const float* qg = qp + (b * Hq + h * G) * d;
-      const float* bg = biased ? biasc.data_ptr<float>() + (b * Hq + h * G) * total : nullptr;
-      if (!sparse) {
-        attend_tiles(K, V, all.data() + u0, (int)(u1 - u0), nullptr, qg, G, d, dp, b, h, (float)scaling,
-                     (float)softcap, bg, starts.data(), total, parts[w]);
-        continue;
-      }
-      // sparse: map each listed position to (run, row), in tiles of one run each
-      const int64_t* pos = idxc.data_ptr<int64_t>() + (b * Hk + h) * m;
-      std::vector<Tile> tiles;
-      std::vector<int64_t> rows;
-      int64_t e0 = u0 * TILE, e1 = std::min<int64_t>(m, u1 * TILE);
-      int run = 0;
-      for (int64_t e = e0; e < e1; e++) {
-        int64_t p = pos[e];
-        TORCH_CHECK(p >= 0 && p < total, "sparse position out of range");
-        while (run + 1 < (int)K.size() && p >= starts[run + 1]) run++;
-        while (run > 0 && p < starts[run]) run--;
-        if (tiles.empty() || tiles.back().seg != run || tiles.back().n == TILE || K[run].channel) {
-          tiles.push_back({run, 0, 0});
-          rows.resize(tiles.size() * TILE);
-        }
-        Tile& t = tiles.back();
-        int64_t row = p - starts[run] + K[run].skip;
-        if (K[run].channel) t.row = row;
-        rows[(tiles.size() - 1) * TILE + t.n] = row;
-        t.n++;
-      }
-      attend_tiles(K, V, tiles.data(), (int)tiles.size(), rows.data(), qg, G, d, dp, b, h, (float)scaling,
-                   (float)softcap, bg, starts.data(), total, parts[w]);
+  if (!p.sparse) p.all = dense_tiles(p.K);
+  p.m = p.sparse ? idx.size(2) : 0;
+  p.units = p.sparse ? (p.m + TILE - 1) / TILE : (int64_t)p.all.size();
+  p.splits = std::max<int64_t>(1, std::min<int64_t>(p.units, (2 * threads + p.B * p.Hk - 1) / (p.B * p.Hk)));
+  if (p.units < 4) p.splits = 1;
+  p.parts.resize(p.work());
+  p.idx = p.sparse ? idx.to(torch::kInt64).contiguous() : idx;
+}
+
+// Work item w of p: (batch row, KV head, slice of tokens).
+void run_work(Problem& p, int64_t w, float scaling, float softcap) {
+  const int64_t sp = w % p.splits, bh = w / p.splits, b = bh / p.Hk, h = bh % p.Hk;
+  const int64_t u0 = p.units * sp / p.splits, u1 = p.units * (sp + 1) / p.splits;
+  const float* qg = p.q.data_ptr<float>() + (b * p.Hq + h * p.G) * p.d;
+  const float* bg = p.biased ? p.bias.data_ptr<float>() + (b * p.Hq + h * p.G) * p.total : nullptr;
+  if (!p.sparse) {
+    attend_tiles(p.K, p.V, p.all.data() + u0, (int)(u1 - u0), nullptr, qg, p.G, p.d, p.dp, b, h, scaling, softcap, bg,
+                 p.starts.data(), p.total, p.parts[w]);
+    return;
+  }
+  // sparse: map each listed position to (run, row), in tiles of one run each
+  const int64_t* pos = p.idx.data_ptr<int64_t>() + (b * p.Hk + h) * p.m;
+  std::vector<Tile> tiles;
+  std::vector<int64_t> rows;
+  int64_t e0 = u0 * TILE, e1 = std::min<int64_t>(p.m, u1 * TILE);
+  int run = 0;
+  for (int64_t e = e0; e < e1; e++) {
+    int64_t x = pos[e];
+    TORCH_CHECK(x >= 0 && x < p.total, "sparse position out of range");
+    while (run + 1 < (int)p.K.size() && x >= p.starts[run + 1]) run++;
+    while (run > 0 && x < p.starts[run]) run--;
+    if (tiles.empty() || tiles.back().seg != run || tiles.back().n == TILE || p.K[run].channel) {
+      tiles.push_back({run, 0, 0});
+      rows.resize(tiles.size() * TILE);
     }
-  });
-  auto out = torch::zeros({B, Hq, d}, q.options());
+    Tile& t = tiles.back();
+    int64_t row = x - p.starts[run] + p.K[run].skip;
+    if (p.K[run].channel) t.row = row;
+    rows[(tiles.size() - 1) * TILE + t.n] = row;
+    t.n++;
+  }
+  attend_tiles(p.K, p.V, tiles.data(), (int)tiles.size(), rows.data(), qg, p.G, p.d, p.dp, b, h, scaling, softcap, bg,
+               p.starts.data(), p.total, p.parts[w]);
+}
+
+// The slices' partial softmaxes merged: [B, Hq, d] float32.
+torch::Tensor merge(const Problem& p) {
+  auto out = torch::zeros({p.B, p.Hq, p.d}, p.q.options());
   float* op = out.data_ptr<float>();
-  for (int64_t bh = 0; bh < B * Hk; bh++) {
-    const int64_t b = bh / Hk, h = bh % Hk;
-    for (int g = 0; g < G; g++) {
+  const int d = p.d;
+  for (int64_t bh = 0; bh < p.B * p.Hk; bh++) {
+    const int64_t b = bh / p.Hk, h = bh % p.Hk;
+    for (int g = 0; g < p.G; g++) {
       float M = -std::numeric_limits<float>::infinity();
-      for (int64_t sp = 0; sp < splits; sp++) M = std::max(M, parts[bh * splits + sp].m[g]);
+      for (int64_t sp = 0; sp < p.splits; sp++) M = std::max(M, p.parts[bh * p.splits + sp].m[g]);
       float L = 0.f;
-      float* o = op + (b * Hq + h * G + g) * d;
-      for (int64_t sp = 0; sp < splits; sp++) {
-        const Partial& P = parts[bh * splits + sp];
+      float* o = op + (b * p.Hq + h * p.G + g) * d;
+      for (int64_t sp = 0; sp < p.splits; sp++) {
+        const Partial& P = p.parts[bh * p.splits + sp];
         if (P.l[g] == 0.f) continue;
         float w = std::exp(P.m[g] - M);
         L += P.l[g] * w;
@@ -528,6 +545,51 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kpart
   return out;
 }
 
+}  // namespace
+
+// One sequence (see `prepare` for the arguments). Returns [B, Hq, d] float32.
+torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kparts, torch::Tensor kmeta, torch::Tensor kts,
+                               std::vector<torch::Tensor> vparts, torch::Tensor vmeta, torch::Tensor vts, double scaling,
+                               double softcap, torch::Tensor idx, torch::Tensor bias) {
+  Problem p;
+  prepare(p, q, kparts, kmeta, kts, vparts, vmeta, vts, idx, bias, at::get_num_threads());
+  at::parallel_for(0, p.work(), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; w++) run_work(p, w, (float)scaling, (float)softcap);
+  });
+  return merge(p);
+}
+
+// Many sequences of different lengths in one call (varlen): argument i of each list is sequence i's
+// (as `decode_attention` takes them); one parallel pass over every sequence's work items, so short
+// and long requests share the threads and nothing is padded. Returns one [B, Hq, d] per sequence.
+std::vector<torch::Tensor> decode_attention_varlen(
+    std::vector<torch::Tensor> qs, std::vector<std::vector<torch::Tensor>> kparts, std::vector<torch::Tensor> kmeta,
+    std::vector<torch::Tensor> kts, std::vector<std::vector<torch::Tensor>> vparts, std::vector<torch::Tensor> vmeta,
+    std::vector<torch::Tensor> vts, double scaling, double softcap, std::vector<torch::Tensor> idx,
+    std::vector<torch::Tensor> bias) {
+  const size_t n = qs.size();
+  TORCH_CHECK(kparts.size() == n && kmeta.size() == n && kts.size() == n && vparts.size() == n && vmeta.size() == n &&
+                  vts.size() == n && idx.size() == n && bias.size() == n,
+              "every argument list needs one entry per sequence");
+  std::vector<Problem> ps(n);
+  std::vector<int64_t> first(n + 1, 0);  // first work item of each sequence
+  const int threads = at::get_num_threads();
+  for (size_t i = 0; i < n; i++) {
+    prepare(ps[i], qs[i], kparts[i], kmeta[i], kts[i], vparts[i], vmeta[i], vts[i], idx[i], bias[i], threads);
+    first[i + 1] = first[i] + ps[i].work();
+  }
+  at::parallel_for(0, first[n], 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; w++) {
+      const size_t i = std::upper_bound(first.begin(), first.end(), w) - first.begin() - 1;
+      run_work(ps[i], w - first[i], (float)scaling, (float)softcap);
+    }
+  });
+  std::vector<torch::Tensor> out;
+  for (const Problem& p : ps) out.push_back(merge(p));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
+  m.def("decode_attention_varlen", &decode_attention_varlen, "decode attention for many sequences in one call");
 }

@@ -4,9 +4,9 @@ check, and the evidence commands behind docs/results. Each module registers its 
 
 from __future__ import annotations
 
-from kvstrata_lab.cli import bench, evidence, passkey, serve_bench, soak, sparse_recall, tune
+from kvstrata_lab.cli import bench, evidence, passkey, serve_batch, serve_bench, soak, sparse_recall, tune
 
-MODULES = (passkey, bench, tune, evidence, sparse_recall, serve_bench, soak)
+MODULES = (passkey, bench, tune, evidence, sparse_recall, serve_bench, serve_batch, soak)
 
 
 def register(sub) -> None:

@@ -73,3 +73,7 @@ class Scripts:
     def probe_document(self, tokens: int) -> str:
         """One long prompt of `tokens` tokens for the single-client cold / warm / replay probe."""
         return self._text(random.Random(f"{self.seed}-probe"), tokens, "probe document")
+
+    def document(self, key: str, tokens: int) -> str:
+        """Paragraphs of exactly `tokens` tokens, drawn by `key` (distinct keys: distinct prompts)."""
+        return self._text(random.Random(f"{self.seed}-{key}"), tokens, f"document {key}")
