@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
 
 from kvstrata.cli.inputs import BIG, SEED, field_default, int_in, nonempty
+from kvstrata_lab.serve_bench.config import BatchBenchConfig
 
 
 def _counts(text: str) -> tuple[int, ...]:
-    import argparse
-
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -23,8 +23,6 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def register(sub) -> None:
-    from kvstrata_lab.serve_bench.batching import BatchBenchConfig
-
     def default(name: str):
         return field_default(BatchBenchConfig, name)
 
@@ -72,7 +70,6 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvstrata.cli.inputs import check_context, split_methods, writable_dir
-    from kvstrata_lab.serve_bench.batching import BatchBenchConfig
     from kvstrata_lab.serve_bench.batching import run as bench
 
     writable_dir(args.out, "--out")

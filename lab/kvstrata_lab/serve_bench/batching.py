@@ -20,46 +20,17 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from kvstrata.models import check_method, load_config, load_tokenizer
+from kvstrata.serve.scheduler import kv_rate
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.bench import _stream
+from kvstrata_lab.serve_bench.config import BatchBenchConfig
 from kvstrata_lab.serve_bench.process import ServerProcess
 
 SLACK_TOKENS = 16  # a prompt's text may re-tokenize a few tokens longer than it was cut to
-
-
-@dataclass(frozen=True)
-class BatchBenchConfig:
-    model: str = "smollm2-135m"
-    methods: tuple[str, ...] = ("bf16", "nvfp4")
-    streams: tuple[int, ...] = (1, 4, 8, 16)
-    requests: int = 2  # per stream and level, and at least `level_requests` per level in all
-    level_requests: int = 8  # so a level of few streams is not timed on one or two requests
-    prompt_tokens: int = 128
-    max_tokens: int = 32
-    probe_tokens: int = 1024
-    probe_streams: int = 8
-    budget_sequences: int = 4  # the KV budget holds this many bf16 sequences at their longest
-    budget_streams: int = 16
-    seed: int = 0
-    out: str = "docs/results/serve-batching"
-
-    def __post_init__(self):
-        for name in (
-            "requests",
-            "prompt_tokens",
-            "max_tokens",
-            "probe_streams",
-            "budget_sequences",
-            "budget_streams",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.streams or min(self.streams) < 1 or not self.methods:
-            raise ValueError("streams must be counts >= 1 and methods non-empty")
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -200,8 +171,6 @@ def per_stream(cfg: BatchBenchConfig, streams: int) -> int:
 
 def budget_bytes(cfg: BatchBenchConfig) -> int:
     """The KV budget: `budget_sequences` bf16 sequences at their longest, by the server's own rule."""
-    from kvstrata.serve.scheduler import kv_rate
-
     rate = kv_rate(load_config(cfg.model), "bf16")
     return cfg.budget_sequences * rate.bytes(cfg.prompt_tokens + SLACK_TOKENS + cfg.max_tokens)
 

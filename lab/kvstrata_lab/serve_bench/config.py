@@ -1,4 +1,5 @@
-"""`kvstrata serve-bench`'s settings (no model or server code imported: the CLI reads its defaults)."""
+"""`kvstrata serve-bench`'s and `serve-batch-bench`'s settings (no model or server code imported: the CLI
+reads its defaults)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,34 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.duration_s <= 0 or self.probe_swa_ttl_s <= 0 or self.probe_tokens < 0 or self.check < 0:
             raise ValueError("duration_s and probe_swa_ttl_s must be > 0, probe_tokens and check >= 0")
+
+
+@dataclass(frozen=True)
+class BatchBenchConfig:
+    model: str = "smollm2-135m"
+    methods: tuple[str, ...] = ("bf16", "nvfp4")
+    streams: tuple[int, ...] = (1, 4, 8, 16)
+    requests: int = 2  # per stream and level, and at least `level_requests` per level in all
+    level_requests: int = 8  # so a level of few streams is not timed on one or two requests
+    prompt_tokens: int = 128
+    max_tokens: int = 32
+    probe_tokens: int = 1024
+    probe_streams: int = 8
+    budget_sequences: int = 4  # the KV budget holds this many bf16 sequences at their longest
+    budget_streams: int = 16
+    seed: int = 0
+    out: str = "docs/results/serve-batching"
+
+    def __post_init__(self):
+        for name in (
+            "requests",
+            "prompt_tokens",
+            "max_tokens",
+            "probe_streams",
+            "budget_sequences",
+            "budget_streams",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.streams or min(self.streams) < 1 or not self.methods:
+            raise ValueError("streams must be counts >= 1 and methods non-empty")
