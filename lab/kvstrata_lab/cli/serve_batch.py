@@ -74,7 +74,9 @@ def run(args) -> int:
 
     writable_dir(args.out, "--out")
     check_context(
-        args.model, max(args.prompt_tokens, args.probe_tokens) + 2 * args.max_tokens + 64, "--probe-tokens"
+        args.model,
+        max(args.prompt_tokens, args.probe_tokens) + 2 * args.max_tokens + 64,
+        "--prompt-tokens" if args.prompt_tokens >= args.probe_tokens else "--probe-tokens",
     )
     cfg = BatchBenchConfig(
         model=args.model,
