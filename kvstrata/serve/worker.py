@@ -196,9 +196,8 @@ class Worker:
                     break
                 reserved = sum(r.need for r in active)
                 needs = [self.need(job) for job in list(self._waiting)[: self.limits.max_running]]
-                for _ in range(admit(needs, len(active), reserved, self.limits)):
-                    job = self._waiting.popleft()
-                    active.append(_Run(job, self.decode, self.need(job)))
+                for need in needs[: admit(needs, len(active), reserved, self.limits)]:
+                    active.append(_Run(self._waiting.popleft(), self.decode, need))
                 self._active = len(active)
                 self.metrics.waiting.set(len(self._waiting))
                 self.metrics.active.set(self._active)
