@@ -40,6 +40,22 @@ SHAPES = [(1, 9, 3, 64), (2, 4, 1, 256), (1, 2, 2, 48)]
 
 def test_the_kernel_builds_here():
     assert cpu.load() is not None, "the C++ decode kernel must build on this machine (gcc is there)"
+    assert cpu.load().isa() == cpu.expected_isa(), "the default build takes the best path this CPU has"
+
+
+@pytest.fixture(params=cpu.runnable_isas())
+def isa(request, monkeypatch):
+    """Each decode path (AVX-512, AVX2, scalar) this machine can run, as the kernel every call loads."""
+    module = cpu.load(isa=request.param)
+    assert module is not None and module.isa() == cpu.expected_isa(request.param)
+    monkeypatch.setattr(cpu, "load", lambda *args, **kwargs: module)
+    return module.isa()
+
+
+def test_a_bad_isa_name_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("KVSTRATA_KERNEL_ISA", "avx9000")
+    with pytest.raises(ValueError, match="KVSTRATA_KERNEL_ISA='avx9000'"):
+        cpu.chosen_isa()
 
 
 def test_a_lock_left_by_a_killed_build_does_not_hang_the_next(tmp_path):
@@ -73,7 +89,7 @@ def _view(spec, shape, seed=0, lengths=(64, 37, 1)):
 
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_equals_decode_then_attend(spec, shape):
+def test_fused_equals_decode_then_attend(spec, shape, isa):
     view, (tk, tv), q = _view(spec, shape)
     ref = decode_attention(q, view, tk, tv, 0.1, fused=False)
     got = decode_attention(q, view, tk, tv, 0.1)
@@ -110,7 +126,7 @@ def test_key_rows_decode_only_the_rows_asked_for(spec):
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_sparse_positions_read_only_those(spec):
+def test_sparse_positions_read_only_those(spec, isa):
     view, (tk, tv), q = _view(spec, (1, 9, 3, 64), seed=1)
     total = view.tokens + tk.shape[-2]
     g = torch.Generator().manual_seed(2)
@@ -128,7 +144,7 @@ MODEL_ROW_SPECS = ["nvfp4:sink=4,center=1,rot=hadamard",
 
 
 @pytest.mark.parametrize("spec", SPECS + MODEL_ROW_SPECS)
-def test_varlen_rows_equal_one_call_per_row(spec):
+def test_varlen_rows_equal_one_call_per_row(spec, isa):
     """A batched decode step: rows of different lengths (and sparse positions on one) in one kernel
     call give each row exactly what its own call gives; the reference path agrees."""
     rows = [_view(spec, (1, 9, 3, 64), seed=s, lengths=n) for s, n in

@@ -1,8 +1,10 @@
 """Build and load the C++ decode-attention kernel (`decode_attention.cpp`) on first use.
 
 Built with torch's `cpp_extension` for this machine (`-O3 -march=native`, OpenMP through torch's own
-runtime) into `$KVSTRATA_CACHE/kernels/<hash>`, keyed by the source, torch's version and the CPU,
-so a rebuild happens only when one of them changes. If the build fails, callers fall back to the
+runtime) into `$KVSTRATA_CACHE/kernels/<hash>`, keyed by the sources, torch's version, the flags and
+the CPU, so a rebuild happens only when one of them changes. The decode path is the best this CPU
+has (AVX-512, else AVX2, else scalar); `KVSTRATA_KERNEL_ISA=avx2|scalar` builds a lower one (tests
+check every path the machine can run against the reference). If the build fails, callers fall back to the
 reference path and a one-line warning says why. `KVSTRATA_KERNELS=reference` skips it. Processes
 take turns on the build directory through an OS file lock, which dies with its holder: torch's own
 lock file outlives a process killed mid-build and would make every later one wait forever.
@@ -20,8 +22,23 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
+HEADERS = (Path(__file__).with_name("codes.h"),)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+# the instruction sets a build can be held to (GCC drops every extension built on the one removed)
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
 _state: dict = {}
+
+
+def chosen_isa() -> str:
+    """`KVSTRATA_KERNEL_ISA` (default `native`: the best this CPU has), checked."""
+    isa = os.environ.get("KVSTRATA_KERNEL_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"KVSTRATA_KERNEL_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def flags(isa: str = "native") -> list[str]:
+    return FLAGS + ISA_FLAGS[isa]
 
 
 def _cache_root() -> Path:
@@ -37,26 +54,43 @@ def _cpu_id() -> str:
     return platform.machine() + flags
 
 
-def build_key() -> str:
+def runnable_isas() -> list[str]:
+    """The instruction sets a build for this CPU can be held to, best first (each one it can run)."""
+    flags = set(_cpu_id().split())
+    return ["native"] + (["avx2"] if {"avx2", "fma"} <= flags else []) + ["scalar"]
+
+
+def expected_isa(isa: str = "native") -> str:
+    """The decode path a build for `isa` on this CPU takes (what the module's `isa()` reports)."""
+    flags = set(_cpu_id().split())
+    if isa == "native" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx512"
+    return "avx2" if isa != "scalar" and {"avx2", "fma"} <= flags else "scalar"
+
+
+def build_key(isa: str = "native") -> str:
     h = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(), torch.__version__.encode(), " ".join(FLAGS).encode(), _cpu_id().encode(),
+        SOURCE.read_bytes(), *(p.read_bytes() for p in HEADERS), torch.__version__.encode(),
+        " ".join(flags(isa)).encode(), _cpu_id().encode(),
     ):
         h.update(part)
     return h.hexdigest()[:16]
 
 
-def load(verbose: bool = False):
-    """The compiled module, or None (reference path) when disabled or the build failed."""
-    if "module" in _state:
-        return _state["module"]
+def load(verbose: bool = False, isa: str | None = None):
+    """The compiled module (built for `isa`, default `chosen_isa()`), or None (reference path) when
+    disabled or the build failed."""
+    isa = isa or chosen_isa()
+    if isa in _state:
+        return _state[isa]
     module = None
     if os.environ.get("KVSTRATA_KERNELS", "auto") != "reference":
         from torch.utils import (
             cpp_extension,  # the compiler toolchain helpers, loaded only when the kernel is built
         )
 
-        key = build_key()
+        key = build_key(isa)
         build_dir = _cache_root() / key
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -64,7 +98,7 @@ def load(verbose: bool = False):
                 fcntl.flock(turn, fcntl.LOCK_EX)
                 (build_dir / "lock").unlink(missing_ok=True)  # torch's: left by a holder that died
                 module = cpp_extension.load(
-                    name=f"kvstrata_decode_{key}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                    name=f"kvstrata_decode_{key}", sources=[str(SOURCE)], extra_cflags=flags(isa),
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=verbose,
                 )
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference path
@@ -74,5 +108,5 @@ def load(verbose: bool = False):
                 f"kvstrata: C++ decode kernel unavailable ({first[:200]}); using the reference path",
                 RuntimeWarning, stacklevel=2,
             )
-    _state["module"] = module
+    _state[isa] = module
     return module

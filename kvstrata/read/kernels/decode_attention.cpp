@@ -6,63 +6,13 @@
 // into a small buffer, scores it against every query head of the KV group (GQA: one pass over the
 // codes), and folds it into an online softmax; slices are merged at the end. Nothing the size of
 // the layer is ever decoded.
-#include <torch/extension.h>
+#include "codes.h"
+
 #include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
-
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 namespace {
 
-enum Kind { F32 = 0, BF16 = 1, FP8 = 2, NVFP4 = 3, MXFP4 = 4, INT4 = 5, INT2 = 6, INT3 = 7 };
-constexpr int TILE = 64;
-constexpr int MAX_DIM = 1024;
-constexpr int MAX_GROUP = 4096;  // tokens per channel group of KIVI keys
-
-float E4M3[256];
-float E2M1[16];
-float INT4_CODES[256][2];  // a byte's two 4-bit codes, low bits first
-float INT2_CODES[256][4];  // a byte's four 2-bit codes
-
-struct Tables {
-  Tables() {
-    const float mags[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    for (int i = 0; i < 16; i++) E2M1[i] = (i & 8) ? -mags[i & 7] : mags[i & 7];
-    for (int x = 0; x < 256; x++) {
-      for (int j = 0; j < 2; j++) INT4_CODES[x][j] = (float)((x >> (4 * j)) & 15);
-      for (int j = 0; j < 4; j++) INT2_CODES[x][j] = (float)((x >> (2 * j)) & 3);
-    }
-    for (int x = 0; x < 256; x++) {
-      int e = (x >> 3) & 15, m = x & 7;
-      float v = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
-      if ((x & 0x7f) == 0x7f) v = std::numeric_limits<float>::quiet_NaN();
-      E4M3[x] = (x & 0x80) ? -v : v;
-    }
-  }
-} tables;
-
-inline float half_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023, bits;
-  if (exp == 0) {
-    float v = std::ldexp((float)man, -24);
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
+using namespace kv;
 
 // exp(x) for x <= 0 (softmax after subtracting the max), branch-free so loops vectorize: 2^t with
 // t = x log2(e) split into an integer n and f in [-0.5, 0.5], 2^f by a degree-6 polynomial
@@ -82,157 +32,6 @@ inline float exp_neg(float x) {
   float scale;
   std::memcpy(&scale, &bits, 4);
   return p * scale;
-}
-
-inline float e8m0(uint8_t s) {  // 2^(s - 127), exact (s = 0 is 2^-127, a subnormal)
-  if (s == 0) return std::ldexp(1.f, -127);
-  uint32_t bits = (uint32_t)s << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
-// One encoded run of one stream (K or V). Strides are in bytes; the two innermost dims of codes /
-// scales / mins are contiguous.
-struct Run {
-  int kind = F32;
-  bool channel = false;  // keys grouped per channel: codes [b, h, d, token_blocks, bytes]
-  int64_t length = 0, skip = 0;
-  int block = 0;  // elements per scale block (along head_dim, or along tokens when channel)
-  float tscale = 1.f;
-  const uint8_t* codes = nullptr;
-  const uint8_t* scales = nullptr;
-  const uint8_t* mins = nullptr;
-  int64_t cs[4] = {0, 0, 0, 0}, ss[4] = {0, 0, 0, 0}, ms[4] = {0, 0, 0, 0};
-  int64_t visible() const { return length - skip; }
-};
-
-inline int int_bits(int kind) { return kind == INT4 ? 4 : kind == INT3 ? 3 : 2; }
-
-// Integer codes of `n` elements (`bits` wide, one bit stream, low bits first) as floats; INT3
-// packs 8 codes in 3 bytes, so `n` is a multiple of 8 there.
-inline void int_codes(const uint8_t* p, int n, int bits, float* out) {
-  if (bits == 4)
-    for (int j = 0; j < n / 2; j++) std::memcpy(out + 2 * j, INT4_CODES[p[j]], 8);
-  else if (bits == 3)
-    for (int j = 0; j < n / 8; j++) {
-      const uint32_t w = p[3 * j] | (uint32_t)p[3 * j + 1] << 8 | (uint32_t)p[3 * j + 2] << 16;
-      for (int i = 0; i < 8; i++) out[8 * j + i] = (float)((w >> (3 * i)) & 7);
-    }
-  else
-    for (int j = 0; j < n / 4; j++) std::memcpy(out + 4 * j, INT2_CODES[p[j]], 16);
-}
-
-// Decode token `t` (row in the run, skip included) of a token-major run into out[0..d).
-inline void decode_row(const Run& r, int64_t b, int64_t h, int64_t t, int d, float* out) {
-  const uint8_t* c = r.codes + b * r.cs[0] + h * r.cs[1] + t * r.cs[2];
-  const uint8_t* s = r.scales ? r.scales + b * r.ss[0] + h * r.ss[1] + t * r.ss[2] : nullptr;
-  switch (r.kind) {
-    case F32:
-      std::memcpy(out, c, sizeof(float) * d);
-      break;
-    case BF16: {
-      const uint16_t* p = reinterpret_cast<const uint16_t*>(c);
-      for (int i = 0; i < d; i++) {
-        uint32_t u = (uint32_t)p[i] << 16;
-        std::memcpy(out + i, &u, 4);
-      }
-      break;
-    }
-    case FP8: {
-      const float* sc = reinterpret_cast<const float*>(s);
-      const int blk = r.block;
-      int i = 0;
-#ifdef __AVX2__
-      if (blk % 8 == 0) {  // E4M3 bits -> float32 bits: normals shift in place (+120 on the exponent),
-        const __m256i m7f = _mm256_set1_epi32(0x7f), sev = _mm256_set1_epi32(7), bias = _mm256_set1_epi32(120 << 23);
-        const __m256i s80 = _mm256_set1_epi32(0x80), zero = _mm256_setzero_si256();
-        const __m256 sub = _mm256_set1_ps(1.f / 512.f);  // subnormals are m * 2^-9
-        for (; i + 8 <= d; i += 8) {
-          int64_t word;
-          std::memcpy(&word, c + i, 8);
-          __m256i x = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word));
-          __m256i mag = _mm256_and_si256(x, m7f);
-          __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), bias));
-          __m256 sbn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, sev)), sub);
-          __m256 isn = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_srli_epi32(mag, 3), zero));
-          __m256 v = _mm256_blendv_ps(nrm, sbn, isn);
-          v = _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(x, s80), 24)));
-          _mm256_storeu_ps(out + i, _mm256_mul_ps(v, _mm256_set1_ps(sc[i / blk])));
-        }
-      }
-#endif
-      for (; i < d; i++) out[i] = E4M3[c[i]] * sc[i / blk];
-      break;
-    }
-    case NVFP4:
-    case MXFP4: {
-      const int blk = r.block, half_blk = blk / 2;
-      const int nb = (d + blk - 1) / blk;
-      for (int k = 0; k < nb; k++) {
-        float scale = r.kind == NVFP4 ? E4M3[s[k]] * r.tscale : e8m0(s[k]);
-        const uint8_t* p = c + k * half_blk;
-        float* o = out + k * blk;
-#ifdef __AVX2__
-        const __m256 lut = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-        const __m256 vs = _mm256_set1_ps(scale);
-        const __m256i f = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
-        for (int j = 0; j + 8 <= half_blk; j += 8) {  // 8 bytes -> 16 values
-          int64_t word;
-          std::memcpy(&word, p + j, 8);
-          __m256i w = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(word));
-          __m256i lo = _mm256_and_si256(w, f), hi = _mm256_srli_epi32(w, 4);
-          __m256 vlo = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, lo),
-                                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(lo, eight), 28)));
-          __m256 vhi = _mm256_xor_ps(_mm256_permutevar8x32_ps(lut, hi),
-                                     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(hi, eight), 28)));
-          __m256 a = _mm256_unpacklo_ps(vlo, vhi), bq = _mm256_unpackhi_ps(vlo, vhi);
-          _mm256_storeu_ps(o + 2 * j, _mm256_mul_ps(_mm256_permute2f128_ps(a, bq, 0x20), vs));
-          _mm256_storeu_ps(o + 2 * j + 8, _mm256_mul_ps(_mm256_permute2f128_ps(a, bq, 0x31), vs));
-        }
-        for (int j = half_blk - half_blk % 8; j < half_blk; j++) {
-#else
-        for (int j = 0; j < half_blk; j++) {
-#endif
-          o[2 * j] = E2M1[p[j] & 15] * scale;
-          o[2 * j + 1] = E2M1[p[j] >> 4] * scale;
-        }
-      }
-      break;
-    }
-    case INT4:
-    case INT3:
-    case INT2: {
-      const int bits = int_bits(r.kind);
-      const int blk = r.block;
-      const int nb = (d + blk - 1) / blk;
-      const uint8_t* mn = r.mins + b * r.ms[0] + h * r.ms[1] + t * r.ms[2];
-      int_codes(c, nb * blk, bits, out);
-      for (int k = 0; k < nb; k++) {
-        const float scale = half_to_float(reinterpret_cast<const uint16_t*>(s)[k]);
-        const float lo = half_to_float(reinterpret_cast<const uint16_t*>(mn)[k]);
-        float* o = out + k * blk;
-        for (int j = 0; j < blk; j++) o[j] = lo + o[j] * scale;
-      }
-      break;
-    }
-  }
-}
-
-// Keys grouped per channel (KIVI): decode tokens [t0, t0 + n) of the run, transposed, into
-// outT[c * TILE + i] (token i of the tile, channel c). The tokens lie in one block of `block`.
-void decode_channel_tile(const Run& r, int64_t b, int64_t h, int64_t t0, int n, int d, float* outT) {
-  const int bits = int_bits(r.kind);
-  const int64_t blk = t0 / r.block, off = t0 % r.block;
-  float codes[MAX_GROUP];
-  for (int ch = 0; ch < d; ch++) {
-    const uint8_t* p = r.codes + b * r.cs[0] + h * r.cs[1] + ch * r.cs[2] + blk * r.cs[3];
-    float scale = half_to_float(*reinterpret_cast<const uint16_t*>(r.scales + b * r.ss[0] + h * r.ss[1] + ch * r.ss[2] + blk * r.ss[3]));
-    float lo = half_to_float(*reinterpret_cast<const uint16_t*>(r.mins + b * r.ms[0] + h * r.ms[1] + ch * r.ms[2] + blk * r.ms[3]));
-    float* o = outT + ch * TILE;
-    int_codes(p, (int)r.block, bits, codes);
-    for (int i = 0; i < n; i++) o[i] = lo + codes[off + i] * scale;
-  }
 }
 
 Run make_run(const std::vector<torch::Tensor>& parts, const int64_t* meta, float tscale, int64_t i) {
@@ -272,7 +71,7 @@ struct Tile {
   int n;
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if KV_AVX2
 // The 8 horizontal sums of a[0..8) as one vector.
 inline __m256 hsum8(const __m256* a) {
   __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -285,7 +84,22 @@ inline __m256 hsum8(const __m256* a) {
 // s[i] = q . k[i] for the n rows of `kbuf` (row stride dp).
 inline void dots(const float* q, const float* kbuf, int n, int d, int dp, float* s) {
   int i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if KV_AVX512
+  if (d % 16 == 0) {
+    for (; i + 16 <= n; i += 16) {  // 16 rows at once: one accumulator each, folded to 8 lanes, then summed
+      __m256 h[16];
+      const float* k = kbuf + (int64_t)i * dp;
+      for (int j = 0; j < 16; j++, k += dp) {  // one row pointer, constant offsets: no spilled addresses
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+        for (int c = 16; c < d; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a);
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+      }
+      _mm256_storeu_ps(s + i, hsum8(h));
+      _mm256_storeu_ps(s + i + 8, hsum8(h + 8));
+    }
+  }
+#endif
+#if KV_AVX2
   if (d % 8 == 0) {
     for (; i + 8 <= n; i += 8) {
       __m256 a[8];
@@ -307,10 +121,29 @@ inline void dots(const float* q, const float* kbuf, int n, int d, int dp, float*
   }
 }
 
+#if KV_AVX512
+// acc[0..16R) += sum_i p[i] * v[i][0..16R): R output registers stay put over the rows.
+template <int R>
+inline void accumulate_cols(const float* p, const float* vbuf, int n, int dp, float* acc) {
+  __m512 r[R];
+  for (int j = 0; j < R; j++) r[j] = _mm512_loadu_ps(acc + 16 * j);
+  for (int i = 0; i < n; i++) {
+    const __m512 pv = _mm512_set1_ps(p[i]);
+    const float* v = vbuf + (int64_t)i * dp;
+    for (int j = 0; j < R; j++) r[j] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + 16 * j), r[j]);
+  }
+  for (int j = 0; j < R; j++) _mm512_storeu_ps(acc + 16 * j, r[j]);
+}
+#endif
+
 // acc[0..d) += sum_i p[i] * v[i] over the n rows of `vbuf` (row stride dp).
 inline void accumulate(const float* p, const float* vbuf, int n, int d, int dp, float* acc) {
   int c0 = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if KV_AVX512
+  for (; c0 + 128 <= d; c0 += 128) accumulate_cols<8>(p, vbuf + c0, n, dp, acc + c0);
+  for (; c0 + 64 <= d; c0 += 64) accumulate_cols<4>(p, vbuf + c0, n, dp, acc + c0);
+  for (; c0 + 16 <= d; c0 += 16) accumulate_cols<1>(p, vbuf + c0, n, dp, acc + c0);
+#elif KV_AVX2
   for (; c0 + 64 <= d; c0 += 64) {  // 8 registers of the output stay put over the tile
     __m256 r[8];
     for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(acc + c0 + 8 * j);
@@ -328,6 +161,63 @@ inline void accumulate(const float* p, const float* vbuf, int n, int d, int dp, 
 #pragma omp simd
     for (int c = c0; c < d; c++) acc[c] += pi * v[c];
   }
+}
+
+#if KV_AVX512
+// Every query head of the group at once over 64 columns: acc[g * d + c] += sum_i p[g * TILE + i] v[i][c]
+// for c < 64; the value rows are loaded once for all GG heads (GG * 4 registers held).
+template <int GG>
+inline void accumulate_heads64(const float* p, const float* vbuf, int n, int d, int dp, float* acc) {
+  __m512 r[GG][4];
+  for (int g = 0; g < GG; g++)
+    for (int j = 0; j < 4; j++) r[g][j] = _mm512_loadu_ps(acc + g * d + 16 * j);
+  for (int i = 0; i < n; i++) {
+    const float* v = vbuf + (int64_t)i * dp;
+    const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                 v3 = _mm512_loadu_ps(v + 48);
+    for (int g = 0; g < GG; g++) {
+      const __m512 pv = _mm512_set1_ps(p[g * TILE + i]);
+      r[g][0] = _mm512_fmadd_ps(pv, v0, r[g][0]);
+      r[g][1] = _mm512_fmadd_ps(pv, v1, r[g][1]);
+      r[g][2] = _mm512_fmadd_ps(pv, v2, r[g][2]);
+      r[g][3] = _mm512_fmadd_ps(pv, v3, r[g][3]);
+    }
+  }
+  for (int g = 0; g < GG; g++)
+    for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + g * d + 16 * j, r[g][j]);
+}
+#endif
+
+// accumulate() for every query head g < G of the group (probabilities p[g * TILE + i], outputs
+// acc[g * d ..]).
+inline void accumulate_group(const float* p, int G, const float* vbuf, int n, int d, int dp, float* acc) {
+#if KV_AVX512
+  if (d % 64 == 0 && G <= 4) {
+    for (int c0 = 0; c0 < d; c0 += 64) {
+      switch (G) {
+        case 1: accumulate_heads64<1>(p, vbuf + c0, n, d, dp, acc + c0); break;
+        case 2: accumulate_heads64<2>(p, vbuf + c0, n, d, dp, acc + c0); break;
+        case 3: accumulate_heads64<3>(p, vbuf + c0, n, d, dp, acc + c0); break;
+        default: accumulate_heads64<4>(p, vbuf + c0, n, d, dp, acc + c0);
+      }
+    }
+    return;
+  }
+#endif
+  for (int g = 0; g < G; g++) accumulate(p + g * TILE, vbuf, n, d, dp, acc + g * d);
+}
+
+// max(x[0..n)), -inf when n = 0
+inline float max_of(const float* x, int n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int i = 0;
+#if KV_AVX512
+  __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; i < n; i++) m = std::max(m, x[i]);
+  return m;
 }
 
 // bias (or null): [G, total] scores added before scaling at each token's logical position (`starts`:
@@ -359,8 +249,7 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
         }
       }
     } else {
-      for (int i = 0; i < n; i++)
-        decode_row(kr, b, h, rows ? rows[ti * TILE + i] : tile.row + i, d, kbuf.data() + (int64_t)i * dp);
+      decode_tile(kr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, dp, kbuf.data());
       for (int g = 0; g < G; g++) dots(q + g * d, kbuf.data(), n, d, dp, s.data() + g * TILE);
     }
     if (bias) {
@@ -373,13 +262,13 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
     // online softmax
     for (int g = 0; g < G; g++) {
       float* sg = s.data() + g * TILE;
-      float mt = -std::numeric_limits<float>::infinity();
-      for (int i = 0; i < n; i++) {
-        float x = sg[i] * scaling;
-        if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
-        sg[i] = x;
-        mt = std::max(mt, x);
+      if (softcap > 0.f) {
+        for (int i = 0; i < n; i++) sg[i] = softcap * std::tanh(sg[i] * scaling / softcap);
+      } else {
+#pragma omp simd
+        for (int i = 0; i < n; i++) sg[i] *= scaling;
       }
+      const float mt = max_of(sg, n);
       const float mnew = std::max(out.m[g], mt);
       const float corr = std::exp(out.m[g] - mnew);
       float sum = 0.f;
@@ -395,9 +284,8 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
         for (int c = 0; c < d; c++) a[c] *= corr;
       }
     }
-    for (int i = 0; i < n; i++)
-      decode_row(vr, b, h, rows ? rows[ti * TILE + i] : tile.row + i, d, vbuf.data() + (int64_t)i * dp);
-    for (int g = 0; g < G; g++) accumulate(s.data() + g * TILE, vbuf.data(), n, d, dp, out.acc.data() + g * d);
+    decode_tile(vr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, dp, vbuf.data());
+    accumulate_group(s.data(), G, vbuf.data(), n, d, dp, out.acc.data());
   }
 }
 
@@ -590,6 +478,7 @@ std::vector<torch::Tensor> decode_attention_varlen(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", []() { return std::string(kv::isa()); }, "the instruction set this build decodes with");
   m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
   m.def("decode_attention_varlen", &decode_attention_varlen, "decode attention for many sequences in one call");
 }
