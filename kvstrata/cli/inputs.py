@@ -113,7 +113,8 @@ def split_methods(text: str) -> list[str]:
     out: list[str] = []
     for piece in text.split(","):
         name = piece.split(":")[0].split("+")[0].split(";")[0].strip().lower()
-        starts = name in METHODS or name == "dynamic" or re.match(r"\s*(layers\[|(full|sliding)\s*=)", piece)
+        stock = name in ("dynamic", "static")
+        starts = name in METHODS or stock or re.match(r"\s*(layers\[|(full|sliding)\s*=)", piece)
         if out and not starts:
             out[-1] += "," + piece
         else:

@@ -10,6 +10,10 @@ from pathlib import Path
 from kvstrata.methods import parse_method, render_recipe
 from kvstrata_lab.bench.tasks import RETRIEVAL, TASKS
 
+#: the stock rows, transformers' own caches and attention (no kvstrata code on the path):
+#: `dynamic` (DynamicCache, concatenates each step) and `static` (StaticCache, preallocated)
+STOCK = ("dynamic", "static")
+
 DEFAULT_METHODS = (
     "dynamic", "bf16", "fp8", "int4:r=32", "int2:r=32", "mxfp4", "nvfp4",
     "streaming:keep=0.53", "streaming:keep=0.28", "snapkv:keep=0.53", "snapkv:keep=0.28", "snapkv:keep=0.19",

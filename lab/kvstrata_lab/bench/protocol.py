@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.attention import stock_attention
@@ -123,9 +123,52 @@ def ask(
 DYNAMIC = "dynamic"
 
 
-def dynamic_bytes(cache: DynamicCache) -> int:
-    """Bytes a DynamicCache holds (K and V of every layer, in the model's dtype)."""
+def dynamic_bytes(cache: DynamicCache | StaticCache) -> int:
+    """Bytes a stock cache holds (K and V of every layer, in the model's dtype; a StaticCache's
+    preallocated room included)."""
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+#: the fast stock row: transformers' StaticCache (preallocated to the context plus the question and
+#: answer, written in place, no concatenation per step), the model's own attention
+STATIC = "static"
+
+
+def static_from(model, pre: Prefill, room: int) -> StaticCache:
+    """A StaticCache sized to the context plus `room` tokens, holding the prefilled K/V. A sliding
+    layer whose window the context passed holds the last tokens right-aligned, its length the true
+    one: as the layer stands once full, so its next step rolls them into place."""
+    cache = StaticCache(config=model.config, max_cache_len=pre.tokens + room)
+    for layer, (k, v, seen) in zip(cache.layers, pre.layers):
+        if k.shape[-2] == seen and seen < layer.max_cache_len:
+            layer.update(k, v)
+            continue
+        if not layer.is_sliding:
+            raise ValueError(f"a full-attention layer holds {k.shape[-2]} of {seen} tokens: not a prefill")
+        layer.lazy_initialization(k, v)
+        m = min(k.shape[-2], layer.max_cache_len)
+        layer.keys[:, :, -m:] = k[:, :, -m:]
+        layer.values[:, :, -m:] = v[:, :, -m:]
+        layer.cumulative_length.fill_(seen)
+        layer.cumulative_length_int = seen
+    return cache
+
+
+def ask_static(model, tokenizer, pre: Prefill, question: Question) -> dict:
+    """Answer `question` from a StaticCache holding the prefill, attending as the model does."""
+    t0 = time.perf_counter()
+    room = len(tokenizer(question.text, add_special_tokens=False).input_ids) + question.max_new_tokens
+    cache = static_from(model, pre, room)
+    build_s, held = time.perf_counter() - t0, dynamic_bytes(cache)
+    with stock_attention(model.config):
+        res = greedy(model, tokenizer, cache, question, lambda: held)
+    return with_costs(res, held, build_s)
+
+
+def fidelity_static(model, pre: Prefill, cont_ids: torch.Tensor, ref: torch.Tensor) -> dict:
+    cache = static_from(model, pre, cont_ids.shape[1])
+    with stock_attention(model.config):
+        return continuation(model, cache, cont_ids, ref, dynamic_bytes(cache), None)
 
 
 def ask_dynamic(model, tokenizer, pre: Prefill, question: Question) -> dict:

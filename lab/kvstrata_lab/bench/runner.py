@@ -18,7 +18,7 @@ from kvstrata.methods import parse_method
 from kvstrata.models import load
 from kvstrata.read.kernels import cpu
 from kvstrata_lab.bench import protocol
-from kvstrata_lab.bench.config import DEFAULT_METHODS, QUICK, BenchConfig  # noqa: F401 (the runner's settings)
+from kvstrata_lab.bench.config import DEFAULT_METHODS, QUICK, STOCK, BenchConfig  # noqa: F401 (the runner's settings)
 from kvstrata_lab.bench.needles import selection_cause
 from kvstrata_lab.bench.peers import is_peer, parse_peer, qcache
 from kvstrata_lab.bench.peers.worker_client import run_kvpress
@@ -42,7 +42,7 @@ def family(spec: str) -> str:
     """Method family for colours and grouping: reference, quantization, eviction, eviction+quant."""
     if is_peer(spec):
         return "peer"
-    if spec == protocol.DYNAMIC:
+    if spec in STOCK:
         return "reference"
     m = parse_method(spec)
     if m.full.read is not None:
@@ -63,7 +63,7 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
         if t not in KNOWN:
             raise ValueError(f"unknown task {t!r} (known: {', '.join(KNOWN)})")
     peers = {p: parse_peer(p) for p in cfg.peers}
-    specs = {m: parse_method(m) for m in cfg.methods if m != protocol.DYNAMIC}
+    specs = {m: parse_method(m) for m in cfg.methods if m not in STOCK}
     in_process = [*cfg.methods, *(p for p in cfg.peers if peers[p].project == "qcache")]
     workers = [p for p in cfg.peers if peers[p].project == "kvpress"]
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +94,11 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     return path
 
 
+# the stock rows: transformers' own caches and attention, no kvstrata code on the path
+STOCK_ASK = {protocol.DYNAMIC: protocol.ask_dynamic, protocol.STATIC: protocol.ask_static}
+STOCK_FIDELITY = {protocol.DYNAMIC: protocol.fidelity_dynamic, protocol.STATIC: protocol.fidelity_static}
+
+
 def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -> list[dict]:
     inst = make_instance(task, tok, length, index, cfg.seed, cfg.haystack)
     ids = tok(inst.context, return_tensors="pt").input_ids
@@ -116,8 +121,8 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
                 res = (
                     qcache.fidelity(model, pre, peer, cont, ref)
                     if peer
-                    else protocol.fidelity_dynamic(model, pre, cont, ref)
-                    if method == protocol.DYNAMIC
+                    else STOCK_FIDELITY[method](model, pre, cont, ref)
+                    if method in STOCK_FIDELITY
                     else protocol.fidelity(model, pre, specs[method], cont, ref)
                 )
                 row.update(res, score=res["top1"], failure=None)
@@ -125,8 +130,8 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
                 answers = [
                     qcache.ask(model, tok, pre, peer, q)
                     if peer
-                    else protocol.ask_dynamic(model, tok, pre, q)
-                    if method == protocol.DYNAMIC
+                    else STOCK_ASK[method](model, tok, pre, q)
+                    if method in STOCK_ASK
                     else protocol.ask(model, tok, pre, specs[method], q, context=inst.context)
                     for q in inst.questions
                 ]

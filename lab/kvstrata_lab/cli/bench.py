@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstrata.cli.inputs import SEED, field_default, int_in
-from kvstrata_lab.bench.config import BenchConfig
+from kvstrata_lab.bench.config import STOCK, BenchConfig
 
 
 def register(sub) -> None:
@@ -68,7 +68,7 @@ def bench(args) -> int:
     else:
         methods = split_methods(args.methods) if args.methods else q.get("methods", base.methods)
     for m in methods:
-        if m != "dynamic":
+        if m not in STOCK:
             parse_method(m)  # fail before any model loads
     peers = () if args.peers is None else DEFAULT_PEERS if args.peers == "default" else csv_items(args.peers)
     for p in peers:
@@ -92,7 +92,7 @@ def bench(args) -> int:
         check_context(name, L, "--lengths" if not args.model or "@" not in args.model else "--model")
     for name in dict.fromkeys(p[0] for p in pairs):
         for m in methods:
-            if m != "dynamic":
+            if m not in STOCK:
                 check_method(name, m)  # a spec this model's shape cannot take
     cfg = BenchConfig(
         models=tuple(p[0] for p in pairs),

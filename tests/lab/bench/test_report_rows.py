@@ -51,6 +51,20 @@ def test_speed_divides_times_of_one_run_only():
     assert ratios(rows[2:])[("m", 4096)]["x"]["dynamic"] is None
 
 
+def test_the_fastest_stock_row_is_the_bar_cell_by_cell():
+    rows = [
+        # cell 0: static beats dynamic; cell 1: only dynamic ran
+        row("dynamic", "single", 0, decode=0.10, run="a"), row("static", "single", 0, decode=0.08, run="a"),
+        row("x", "single", 0, decode=0.12, run="a"),
+        row("dynamic", "single", 1, decode=0.10, run="b"), row("x", "single", 1, decode=0.05, run="b"),
+    ]
+    table = ratios(rows)[("m", 4096)]
+    assert "stock" not in table  # a reference, not a row
+    assert table["x"]["n stock"] == 2 and table["x"]["stock"] == pytest.approx((0.12 + 0.05) / (0.08 + 0.10))
+    assert table["static"]["stock"] == pytest.approx(1.0)
+    assert table["dynamic"]["stock"] == pytest.approx(0.20 / 0.18)
+
+
 def test_rows_without_run_ids_pair_by_their_shared_prefill():
     # rows written before run ids: one run of a cell shares its prefill time, another run does not
     rows = [

@@ -8,7 +8,8 @@ from kvstrata.models.tiny import byte_tokenizer
 from kvstrata_lab.bench.report import write_report
 from kvstrata_lab.bench.runner import BenchConfig, family, run
 
-METHODS = ("dynamic", "bf16", "nvfp4", "int2:r=8,group=8", "streaming:keep=0.5", "snapkv:keep=0.3+fp8")
+METHODS = ("dynamic", "static", "bf16", "nvfp4", "int2:r=8,group=8", "streaming:keep=0.5",
+           "snapkv:keep=0.3+fp8")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,17 @@ def test_one_row_per_cell_and_method(bench_dir):
     assert all(r["compression"] == pytest.approx(0.5) for r in dyn)
     assert all(r["kl"] == 0 and r["top1"] == 1 for r in dyn if r["task"] == "fidelity")
     assert all(r["decode_s_per_token"] > 0 for r in dyn if r["task"] == "single")
+    # the fast stock row (StaticCache, preallocated; tiny Gemma-3's sliding layers passed their
+    # 16-token window) answers as the DynamicCache does
+    static = {(r["task"], r["index"]): r for r in rs if r["method"] == "static"}
+    assert len(static) == len(dyn)
+    for r in dyn:
+        s = static[(r["task"], r["index"])]
+        assert s["family"] == "reference" and s["kv_bytes"] >= r["kv_bytes"]  # its room is held too
+        if r["task"] == "fidelity":
+            assert s["top1"] == 1 and s["kl"] < 1e-6
+        else:
+            assert s["output"] == r["output"]
     evict = [r for r in rs if r["method"] == "streaming:keep=0.5" and r["task"] == "single"]
     ref = [r for r in rs if r["method"] == "bf16" and r["task"] == "single"]
     assert evict[0]["kv_bytes"] < ref[0]["kv_bytes"]
