@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvstrata.hf.attention import enter_scope, offer, offer_keep, reads_encoded
 from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
-from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer
+from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer, flush_many
 from kvstrata.methods import MethodSpec, parse_method
 
 
@@ -127,10 +127,22 @@ class CompressedCache(Cache):
         full-precision tail back; the encoded part is offered to that attention call."""
         layer = self.layers[layer_idx]
         reads = self.fused and reads_encoded(self.text_config)
-        keys, values, view = layer.append(key_states, value_states, offer=reads)
+        # a step's new tokens are attended in full precision by their own layer, so every layer's
+        # encoding can wait for the step's last layer and be done there in one codec call per recipe
+        last = layer_idx == len(self.layers) - 1
+        defer = not last and type(layer) in (CompressedLayer, CompressedSlidingLayer)
+        keys, values, view = layer.append(key_states, value_states, offer=reads, defer=defer)
+        if last:
+            self.settle()
         offer(layer_idx, view)  # every update sets both offers, so none outlives its attention call
         offer_keep(layer_idx, layer if layer.pending_keep else None)
         return keys, values
+
+    def settle(self) -> None:
+        """Encode the tokens layers left for the step's end (`update` does it at the last layer)."""
+        due = [layer for layer in self.layers if getattr(layer, "deferred", False)]
+        if due:
+            flush_many(due)
 
     def head_modes(self) -> dict[str, int]:
         """How many (group, KV head) pairs each depth mode holds: the probe's decisions, {} without
@@ -151,6 +163,7 @@ class CompressedCache(Cache):
 
     def nbytes(self) -> dict:
         """`{"layers": [bytes per layer], "total": bytes}`, measured from held tensors."""
+        self.settle()
         per_layer = [layer.nbytes() for layer in self.layers]
         return {"layers": per_layer, "total": sum(per_layer)}
 

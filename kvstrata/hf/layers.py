@@ -92,6 +92,9 @@ class CompressedLayer(CacheLayerMixin):
         sequence's new token at once); `deferred` says it is due."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.deferred:  # a step that never reached its end (its forward raised): encode it now
+            self._flush()
+            self.deferred = False
         if self.pending_keep:
             raise RuntimeError(
                 f"{self.recipe.keep.name} needs the prefill's attention scores, which kvstrata's attention "

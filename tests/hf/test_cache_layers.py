@@ -177,3 +177,50 @@ def test_fit_mask_keeps_the_causal_columns_next_to_the_queries():
     long = fit_mask(causal, 9)  # a layer holding 6
     assert torch.equal(long[0, 0], torch.ones(3, 9, dtype=torch.bool).tril(6))
     assert fit_mask(causal, 7) is causal and fit_mask(None, 3) is None
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "int4:r=0", "fp8:block=32", "int2:group=16,r=8",
+                                  "nvfp4;sliding=fp8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_a_step_encodes_its_layers_at_its_end_as_each_would_alone(spec, arch, tiny_llama, tiny_gemma,
+                                                                  monkeypatch):
+    """A decode step leaves every layer's encoding to its last layer (one codec call per recipe):
+    after each forward nothing is left pending, and logits and held codes equal those of layers
+    that encode as they append."""
+    model = tiny_llama if arch == "llama" else tiny_gemma
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(5))
+
+    def run():
+        cache = CompressedCache(model.config, spec)
+        logits = [forward(model, ids[:, :40], cache)]
+        for t in range(40, 60):
+            logits.append(forward(model, ids[:, t:t + 1], cache))
+            assert not any(getattr(layer, "deferred", False) for layer in cache.layers)
+        parts = [t for layer in cache.layers for seg in layer.segments for t in seg.parts()]
+        return torch.cat([x.flatten() for x in logits]), parts, cache.nbytes()["total"]
+
+    together = run()
+    append = CompressedLayer.append
+    monkeypatch.setattr(CompressedLayer, "append",
+                        lambda self, k, v, offer, defer=False: append(self, k, v, offer, False))
+    alone = run()
+    assert torch.equal(together[0], alone[0]) and together[2] == alone[2]
+    assert len(together[1]) == len(alone[1]) and all(torch.equal(a, b) for a, b in zip(together[1], alone[1]))
+
+
+def test_a_step_that_raised_is_encoded_by_the_next(tiny_llama):
+    """A forward that fails midway leaves its earlier layers' tokens pending; the next append to
+    such a layer encodes them first, so nothing stays in full precision by accident."""
+    cache = CompressedCache(tiny_llama.config, "nvfp4")
+    ids = torch.randint(0, 256, (1, 41), generator=torch.Generator().manual_seed(6))
+    forward(tiny_llama, ids[:, :40], cache)
+    k = torch.randn(1, cache.layers[0].keys.shape[1], 1, cache.layers[0].keys.shape[-1])
+    layer = cache.layers[0]
+    encoded = lambda: sum(seg.length for seg in layer.segments)  # noqa: E731
+    before = encoded()
+    cache.update(k, k, 0)  # layer 0 of a step whose later layers never ran
+    assert layer.deferred and encoded() == before and layer.keys.shape[-2] == 1
+    cache.update(k, k, 0)  # the next step: the first token goes into the codes, the second waits
+    assert layer.deferred and encoded() == before + 1 and layer.keys.shape[-2] == 1
+    cache.nbytes()  # what the cache holds is counted settled
+    assert not layer.deferred and encoded() == before + 2 and layer.keys.shape[-2] == 0
