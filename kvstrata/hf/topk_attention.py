@@ -23,7 +23,7 @@ from kvstrata.hf.attention import (
 from kvstrata.hf.cache import head_dim
 from kvstrata.methods import parse_method
 from kvstrata.read.decode import decode_attention
-from kvstrata.read.sparse import LazyKeys, ReadState, TopK, select
+from kvstrata.read.sparse import LazyKeys, ReadState, TopK, build_index, select
 
 NAME = "kvstrata_sparse"
 _STATE: ContextVar[ReadState | None] = ContextVar("kvstrata_read_state", default=None)
@@ -54,10 +54,19 @@ register_reader(NAME, _sparse_attention)
 
 
 def new_state(model, cache, cfg: TopK) -> ReadState:
-    """A fresh read state for `cache`: which full-attention layers read top-k, byte counts at zero."""
+    """A fresh read state for `cache`: which full-attention layers read top-k, byte counts at zero,
+    and the index rows of what the cache holds now (a prefilled cache's Full and Reindex layers
+    start decoding with their index written; an empty one's is written at its first step)."""
     full = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     modes = dict(zip(full, cfg.modes(len(full))))
-    return ReadState(cfg=cfg, modes=modes, layers=list(cache.layers), head_dim=head_dim(model.config))
+    state = ReadState(cfg=cfg, modes=modes, layers=list(cache.layers), head_dim=head_dim(model.config))
+    if getattr(cache, "fused", False):
+        for i, mode in modes.items():
+            layer = cache.layers[i]
+            view = layer.view() if mode in "FR" and layer.reads_views and layer.is_initialized else None
+            if view is not None and view.tokens:
+                build_index(state, i, LazyKeys(view, layer.keys), (layer.generation, view.tokens))
+    return state
 
 
 def read_state(model, cache, spec) -> ReadState | None:

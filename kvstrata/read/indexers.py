@@ -19,13 +19,6 @@ from kvstrata.codecs import get_codec, quantize
 from kvstrata.codecs.nvfp4 import tensor_scale
 
 
-def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Per-query-head logits grouped by KV head: `[b, kv_heads, q_per_kv, n]`."""
-    b, hq, _, d = q.shape
-    hk = k.shape[1]
-    return q[:, :, 0].reshape(b, hk, hq // hk, d).float() @ k.float().transpose(-1, -2)
-
-
 def key_basis(k: torch.Tensor, rank: int) -> torch.Tensor:
     """Top-`rank` eigenvectors of each KV head's uncentred key second moment: `[b, kv_heads, d, rank]`.
     Uncentred, because the index ranks dot products, and the keys' mean direction carries them."""
@@ -59,18 +52,25 @@ def held(indexer: str, rows: torch.Tensor, scale: torch.Tensor | None = None) ->
     return get_codec("nvfp4").round_trip(rows, scale)
 
 
+def queries(indexer: str, q: torch.Tensor, heads: int, basis: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode query `q: [b, q_heads, 1, d]` as index rows are scored against it: per KV head its
+    query heads, projected onto the lowrank basis when there is one: `[b, heads, q_per_kv, d or rank]`."""
+    b, hq, _, d = q.shape
+    grouped = q[:, :, 0].reshape(b, heads, hq // heads, d).float()
+    return grouped @ basis if indexer == "lowrank" else grouped
+
+
+def relu_sum(indexer: str) -> bool:
+    """Whether the indexer sums ReLUs over a KV head's query heads (V4.1's lightning) or takes the max."""
+    return indexer == "lightning"
+
+
 def score(
     indexer: str, q: torch.Tensor, rows: torch.Tensor, basis: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Scores `[b, kv_heads, n]` of index rows (`held(index_rows(...))`) for the decode query `q`."""
-    if indexer == "exact":
-        return _grouped(q, rows).amax(2)
-    if indexer == "lightning":
-        return _grouped(q, rows).relu().sum(2)
-    b, hq, _, d = q.shape
-    hk = rows.shape[1]
-    qp = q[:, :, 0].reshape(b, hk, hq // hk, d).float() @ basis  # [b, kv_heads, q_per_kv, rank]
-    return _grouped(qp.reshape(b, hq, 1, -1), rows).amax(2)
+    logits = queries(indexer, q, rows.shape[1], basis) @ rows.float().transpose(-1, -2)
+    return logits.relu().sum(2) if relu_sum(indexer) else logits.amax(2)
 
 
 def exact(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,11 @@ from kvstrata.read.indexers import (
     index_row_bytes,
     index_rows,
     key_basis,
+    queries,
+    relu_sum,
     score,
 )
+from kvstrata.read.kernels import cpu
 
 NAME = "kvstrata_sparse"
 LIMIT = 1 << 24  # k, sinks, window: tokens, beyond any context we run
@@ -177,34 +180,63 @@ def _amax(kept: dict, layer: int, tag, stable: int, rows: torch.Tensor) -> torch
     return torch.maximum(top, rows[..., stable:, :].abs().amax()) if rows.shape[-2] > stable else top
 
 
+def _raw_rows(state: ReadState, layer: int, k: torch.Tensor, prefix: Stable) -> torch.Tensor:
+    """The layer's index rows of every cached key before the index holds them (the lowrank basis is
+    fitted here, once, from every key the layer holds then). Rows of keys the layer read from
+    encoded storage (`prefix`) never change while its generation holds: they are computed once."""
+    cfg = state.cfg
+    if cfg.indexer == "lowrank" and layer not in state.bases:
+        state.bases[layer] = key_basis(k[..., :, :], cfg.rank)
+    basis = state.bases.get(layer)
+    if cfg.indexer == "exact":  # the keys themselves: nothing to keep
+        return k.float()
+    generation, stable = prefix if prefix is not None else (None, 0)
+    return _extend(state.index, layer, generation, stable, lambda x: index_rows(cfg.indexer, x, basis), k)
+
+
+def _held_rows(state: ReadState, layer: int, rows: torch.Tensor, prefix: Stable) -> torch.Tensor:
+    """`rows` as the index holds them: lowrank rows rounded to NVFP4 under one tensor scale, the
+    stable ones once while that scale holds."""
+    if state.cfg.indexer != "lowrank" or not rows.shape[-2]:
+        return rows
+    generation, stable = prefix if prefix is not None else (None, 0)
+    scale = held_scale(_amax(state.amax, layer, generation, stable, rows))
+    tag = None if generation is None else (generation, scale.item())
+    return _extend(state.held, layer, tag, stable, lambda x: held("lowrank", x, scale), rows)
+
+
+def build_index(state: ReadState, layer: int, k: torch.Tensor, prefix: Stable) -> None:
+    """Write the layer's index rows for the keys it holds now (after the prefill), so the first
+    decode step scores them instead of building them."""
+    _held_rows(state, layer, _raw_rows(state, layer, k, prefix), prefix)
+
+
 def _scores(
     state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, prefix: Stable,
     cand: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The layer's indexer scores for `q` of every cached key, or of the candidate positions `cand`.
-    Index rows of keys the layer read from encoded storage (`prefix`) never change while its
-    generation holds: they are computed once (and, for lowrank, rounded to NVFP4 once while the
-    tensor scale holds)."""
-    cfg = state.cfg
-    if cfg.indexer == "lowrank" and layer not in state.bases:
-        # fitted once, from the whole cache at the first sparse step
-        state.bases[layer] = key_basis(k[..., :, :], cfg.rank)
+    """The layer's indexer scores for `q` of every cached key, or of the candidate positions `cand`
+    (a subset is held under its own scale)."""
+    indexer = state.cfg.indexer
+    rows = _raw_rows(state, layer, k, prefix)
     basis = state.bases.get(layer)
-    generation, stable = prefix if prefix is not None else (None, 0)
-    if cfg.indexer == "exact":  # the keys themselves: nothing to keep
-        rows = k.float()
-    else:
-        rows = _extend(state.index, layer, generation, stable, lambda x: index_rows(cfg.indexer, x, basis), k)
-    if cand is not None:  # a subset is held under its own scale
-        return score(
-            cfg.indexer, q,
-            held(cfg.indexer, rows.gather(2, cand[..., None].expand(-1, -1, -1, rows.shape[-1]))), basis,
-        )
-    if cfg.indexer == "lowrank" and rows.shape[-2]:
-        scale = held_scale(_amax(state.amax, layer, generation, stable, rows))
-        tag = None if generation is None else (generation, scale.item())
-        rows = _extend(state.held, layer, tag, stable, lambda x: held(cfg.indexer, x, scale), rows)
-    return score(cfg.indexer, q, rows, basis)
+    if cand is not None:
+        subset = rows.gather(2, cand[..., None].expand(-1, -1, -1, rows.shape[-1]))
+        return score(indexer, q, held(indexer, subset), basis)
+    return score(indexer, q, _held_rows(state, layer, rows, prefix), basis)
+
+
+def _kernel_top(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, prefix: Stable, lo: int,
+                hi: int) -> torch.Tensor | None:
+    """The Full layer's top-k over positions [lo, hi) scored and selected in the C++ kernel
+    (ascending), or None where it does not apply (no kernel, hierarchical, Reindex candidates)."""
+    cfg = state.cfg
+    module = cpu.load() if q.device.type == "cpu" and not cfg.hier and not state.reindexes else None
+    if module is None:
+        return None
+    rows = _held_rows(state, layer, _raw_rows(state, layer, k, prefix), prefix).float()
+    qs = queries(cfg.indexer, q, rows.shape[1], state.bases.get(layer)).contiguous()
+    return module.topk_positions(qs, rows, cfg.k, lo, hi, relu_sum(cfg.indexer))
 
 
 def select(
@@ -225,13 +257,15 @@ def select(
             top = torch.arange(sinks, recent).expand(b, heads, middle)
             cand = top
         else:
-            scores = _scores(state, layer, q, k, prefix)
-            scores[..., :sinks] = float("-inf")
-            scores[..., recent:] = float("-inf")
             state.bytes_read += n * heads * ib
-            top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
-            # Reindex layers re-score the Full layer's 4k candidates; without them nobody needs those
-            cand = scores.topk(min(4 * cfg.k, middle), -1).indices if state.reindexes else None
+            top, cand = _kernel_top(state, layer, q, k, prefix, sinks, recent), None
+            if top is None:
+                scores = _scores(state, layer, q, k, prefix)
+                scores[..., :sinks] = float("-inf")
+                scores[..., recent:] = float("-inf")
+                top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
+                # Reindex layers re-score the Full layer's 4k candidates; without them nobody needs those
+                cand = scores.topk(min(4 * cfg.k, middle), -1).indices if state.reindexes else None
         state.source = {"top": top, "cand": cand}
     elif mode == "R":
         cand = state.source["cand"]

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from kvstrata.hf import CompressedCache
+from kvstrata.hf import CompressedCache, topk_attention
 from kvstrata.hf.layers import CompressedLayer
 from kvstrata.hf.run import forward, generate
 from kvstrata.hf.topk_attention import reading
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
-from kvstrata.read import TopK
+from kvstrata.read import TopK, sparse
 from kvstrata.read.indexers import (
     exact,
     held,
@@ -19,7 +19,11 @@ from kvstrata.read.indexers import (
     key_basis,
     lightning,
     lowrank,
+    queries,
+    relu_sum,
+    score,
 )
+from kvstrata.read.kernels import cpu
 
 IDS = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))
 
@@ -187,9 +191,48 @@ def test_kept_index_rows_read_like_index_rows_computed_afresh(tiny_llama, monkey
     monkeypatch.setattr(
         CompressedLayer, "read_prefix", property(lambda self: (None, 0), lambda self, v: None), raising=False
     )
+    # the prefilled cache's index: its basis fitted as before, its rows kept nowhere
+    monkeypatch.setattr(topk_attention, "build_index",
+                        lambda state, layer, k, prefix: sparse._raw_rows(state, layer, k, None))
     fresh, fresh_state = decode(tiny_llama, spec)
     assert not fresh_state.index
     for layer, idx in state.picked.items():
         assert torch.equal(idx, fresh_state.picked[layer])
     torch.testing.assert_close(out, fresh, atol=1e-5, rtol=0)
     assert state.bytes_read == fresh_state.bytes_read
+
+
+@pytest.mark.parametrize("indexer", ["exact", "lightning", "lowrank"])
+def test_the_kernel_picks_what_scores_and_topk_pick(indexer):
+    g = torch.Generator().manual_seed(7)
+    keys, q = torch.randn(2, 3, 300, 64, generator=g), torch.randn(2, 9, 1, 64, generator=g)
+    basis = key_basis(keys, 16) if indexer == "lowrank" else None
+    rows = held(indexer, index_rows(indexer, keys, basis)).float()
+    ref = score(indexer, q, rows, basis)
+    ref[..., :4] = float("-inf")
+    ref[..., 290:] = float("-inf")
+    got = cpu.load().topk_positions(queries(indexer, q, 3, basis).contiguous(), rows, 20, 4, 290,
+                                    relu_sum(indexer))
+    assert torch.equal(got, ref.topk(20, -1).indices.sort(-1).values)
+
+
+def test_the_kernel_ranks_ties_by_position_and_nan_last():
+    rows = torch.zeros(1, 1, 12, 16)
+    rows[0, 0, 6] = float("nan")
+    rows[0, 0, 9] = 1.0  # the one row scoring above 0
+    top = cpu.load().topk_positions(torch.ones(1, 1, 2, 16), rows, 4, 5, 12, False)
+    assert top.tolist() == [[[5, 7, 8, 9]]]  # 9, then the lowest tied positions; the NaN row never
+    with pytest.raises(RuntimeError, match="1 <= k <= hi - lo"):
+        cpu.load().topk_positions(torch.ones(1, 1, 2, 16), rows, 8, 5, 12, False)
+
+
+@pytest.mark.parametrize("spec", ["topk:k=12,window=2,indexer=lowrank,rank=16+nvfp4",
+                                  "topk:k=12,window=2,indexer=lightning+nvfp4",
+                                  "topk:k=12,indexer=exact+fp8"])
+def test_decode_steps_pick_in_the_kernel_what_they_pick_in_torch(tiny_llama, monkeypatch, spec):
+    out, state = decode(tiny_llama, spec)
+    monkeypatch.setattr(sparse, "_kernel_top", lambda *args: None)
+    ref, ref_state = decode(tiny_llama, spec)
+    assert all(torch.equal(idx, ref_state.picked[layer]) for layer, idx in state.picked.items())
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert state.bytes_read == ref_state.bytes_read

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-HEADERS = (Path(__file__).with_name("codes.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("codes.h", "linalg.h", "topk.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # the instruction sets a build can be held to (GCC drops every extension built on the one removed)
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
