@@ -6,6 +6,8 @@ even code; magnitudes above 6 saturate to 6. Code 8 (-0) is never produced: zero
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -17,23 +19,30 @@ _TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
 _TIES_UP = (0.75, 1.75, 3.5)
 
 
+@functools.lru_cache(maxsize=None)
+def _above(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every midpoint as a strict "above" test in `dtype`: a >= t is a > (the number just below t). A
+    magnitude's code is then how many of these it lies above (one bucketize, not seven compares)."""
+    up = [torch.nextafter(torch.tensor(t, dtype=dtype), torch.tensor(0.0, dtype=dtype)) for t in _TIES_UP]
+    return torch.cat([torch.tensor(_TIES_DOWN, dtype=dtype), torch.stack(up)]).sort().values.to(device)
+
+
+# codes 0..15 -> values (bit 3 the sign; code 8 is -0.0)
+_VALUES = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.float32)
+
+
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """`x` float (already scaled) -> uint8 codes 0..15 (bit 3 = sign), same shape."""
-    a = x.abs()
-    mag = torch.zeros_like(a, dtype=torch.uint8)
-    for t in _TIES_DOWN:
-        mag += (a > t).to(torch.uint8)
-    for t in _TIES_UP:
-        mag += (a >= t).to(torch.uint8)
+    a = x.abs() if x.dtype == torch.float64 else x.abs().float()  # narrower floats widen exactly
+    mag = torch.bucketize(a, _above(a.dtype, a.device)).to(torch.uint8)
     sign = ((x < 0) & (mag > 0)).to(torch.uint8) << 3
     return mag | sign
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes 0..15 -> float32 values."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 7).long()]
-    return torch.where((codes & 8) > 0, -mag, mag)
+    table = _VALUES if _VALUES.device == codes.device else _VALUES.to(codes.device)
+    return table[codes.long()]
 
 
 def _pair_table() -> torch.Tensor:

@@ -258,9 +258,10 @@ def select(
             cand = top
         else:
             state.bytes_read += n * heads * ib
-            top, cand = _kernel_top(state, layer, q, k, prefix, sinks, recent), None
+            indexed = _head(k, recent, prefix)  # the recent window is read anyway: no index rows needed
+            top, cand = _kernel_top(state, layer, q, indexed, prefix, sinks, recent), None
             if top is None:
-                scores = _scores(state, layer, q, k, prefix)
+                scores = _scores(state, layer, q, indexed, prefix)
                 scores[..., :sinks] = float("-inf")
                 scores[..., recent:] = float("-inf")
                 top = hierarchical(scores, cfg.k) if cfg.hier else scores.topk(cfg.k, -1).indices
@@ -269,7 +270,7 @@ def select(
         state.source = {"top": top, "cand": cand}
     elif mode == "R":
         cand = state.source["cand"]
-        sub = _scores(state, layer, q, k, prefix, cand)
+        sub = _scores(state, layer, q, _head(k, recent, prefix), prefix, cand)
         state.bytes_read += cand.shape[-1] * heads * ib
         top = cand.gather(-1, sub.topk(min(cfg.k, cand.shape[-1]), -1).indices)
     else:
@@ -279,6 +280,13 @@ def select(
     state.dense_bytes += n * heads * (kb + vb)
     state.picked[layer] = idx
     return idx
+
+
+def _head(k, n: int, prefix: Stable):
+    """The first `n` keys, and the stable ones past them (their index rows are kept once computed):
+    only keys not yet stable past `n` are left out."""
+    n = max(n, prefix[1] if prefix is not None else 0)
+    return k.head(n) if isinstance(k, LazyKeys) else k[..., :n, :]
 
 
 class LazyKeys:
@@ -291,6 +299,10 @@ class LazyKeys:
         self.encoded = view.tokens
         b, h, t, d = tail.shape
         self.shape = torch.Size((b, h, self.encoded + t, d))
+
+    def head(self, n: int) -> "LazyKeys":
+        """These keys up to `n`, or up to the encoded ones where `n` falls before the tail."""
+        return LazyKeys(self.view, self.tail[..., : max(0, n - self.encoded), :])
 
     def __getitem__(self, item) -> torch.Tensor:
         rows = item[-2] if isinstance(item, tuple) else slice(None)

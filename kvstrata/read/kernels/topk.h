@@ -9,7 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <numeric>
+#include <functional>
 
 namespace kv {
 namespace {
@@ -35,15 +35,16 @@ inline void topk_one(const float* q, int G, int r, const float* rows, int64_t rs
   }
   for (int64_t i = 0; i < n; i++)
     if (std::isnan(s[i])) s[i] = -std::numeric_limits<float>::infinity();
-  std::vector<int64_t> idx(n);
-  std::iota(idx.begin(), idx.end(), lo);
-  auto better = [&](int64_t a, int64_t b) {
-    const float x = s[a - lo], y = s[b - lo];
-    return x > y || (x == y && a < b);
-  };
-  if (k < n) std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-  std::sort(idx.begin(), idx.begin() + k);
-  std::copy(idx.begin(), idx.begin() + k, out);
+  // the k-th best score by a selection over the scores themselves, then one ascending pass: every
+  // position above it, and of those equal to it the lowest ones
+  t.assign(s.begin(), s.end());
+  std::nth_element(t.begin(), t.begin() + (k - 1), t.end(), std::greater<float>());
+  const float kth = t[k - 1];
+  int64_t above = 0;
+  for (int64_t i = 0; i < n; i++) above += s[i] > kth;
+  int64_t ties = k - above, m = 0;
+  for (int64_t i = 0; i < n && m < k; i++)
+    if (s[i] > kth || (s[i] == kth && ties-- > 0)) out[m++] = lo + i;
 }
 
 }  // namespace
