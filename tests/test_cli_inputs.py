@@ -239,6 +239,11 @@ CASES = [
     ("memory-bench layer past the model",
      ["memory-bench", "--model", "{llama}", "--methods", "bf16,fp8;layers[4]=int4", "--out", "{out}"],
      "assigns layer 4"),
+    ("scaling-bench length past the context",
+     ["scaling-bench", "--model", "{llama}", "--lengths", "2048,99999999", "--out", "{out}"], "--lengths"),
+    ("scaling-bench unknown method",
+     ["scaling-bench", "--model", "{llama}", "--lengths", "300", "--methods", "static,nvfp5",
+      "--out", "{out}"], "nvfp5"),
     ("report bad rows", ["report", "{badrows}"], "results.jsonl: 2 bad row(s)"),
     ("report missing dir", ["report", "{dir}/none"], "holds no benchmark results"),
 ]

@@ -372,6 +372,25 @@ def test_memory_bench(capsys, tmp_path):
     assert all(r["context_tokens"] >= 1000 and r["kv_mb"] > 0 and r["peak_rss_mb"] > 0 for r in rs)
 
 
+def test_scaling_bench(capsys, tmp_path):
+    """`kvstrata scaling-bench` on the tiny Gemma-3 past its 16-token sliding window: a row per point,
+    each in its own process; transformers' two caches, filled from the saved prefill, decode alike."""
+    out = tmp_path / "scaling"
+    run(capsys, f"scaling-bench --model tiny-gemma3 --lengths 300,700 --methods dynamic,static,nvfp4 "
+                f"--new-tokens 4 --out {out}")
+    rs = rows(out / "scaling.jsonl")
+    assert [(r["tokens"], r["method"]) for r in rs] == [
+        (n, m) for n in (300, 700) for m in ("dynamic", "static", "nvfp4")]
+    assert all(r["decode_s_per_token"] > 0 and r["kv_mb"] > 0 and r["peak_rss_mb"] >= r["baseline_rss_mb"]
+               for r in rs)
+    by = {(r["tokens"], r["method"]): r for r in rs}
+    assert all(by[(n, "dynamic")]["greedy"] == by[(n, "static")]["greedy"] for n in (300, 700))
+    assert by[(700, "nvfp4")]["kv_mb"] < by[(700, "dynamic")]["kv_mb"]
+    assert (out / "scaling.png").stat().st_size > 1000
+    run(capsys, f"scaling-bench --model tiny-gemma3 --lengths 300 --methods nvfp4 --new-tokens 4 --out {out}")
+    assert len(rows(out / "scaling.jsonl")) == 6  # a point already there is not run again
+
+
 @pytest.mark.parametrize("model, tokens, budget", [("tiny-llama", 448, "--top1 0.9"),
                                                    ("tiny-gemma3", 1000, "--top1 0 --max-drop 1")])
 def test_tune(capsys, tmp_path, model, tokens, budget):

@@ -135,23 +135,36 @@ STATIC = "static"
 
 
 def static_from(model, pre: Prefill, room: int) -> StaticCache:
-    """A StaticCache sized to the context plus `room` tokens, holding the prefilled K/V. A sliding
-    layer whose window the context passed holds the last tokens right-aligned, its length the true
-    one: as the layer stands once full, so its next step rolls them into place."""
+    """A StaticCache sized to the context plus `room` tokens, holding the prefilled K/V."""
     cache = StaticCache(config=model.config, max_cache_len=pre.tokens + room)
     for layer, (k, v, seen) in zip(cache.layers, pre.layers):
-        if k.shape[-2] == seen and seen < layer.max_cache_len:
-            layer.update(k, v)
-            continue
-        if not layer.is_sliding:
-            raise ValueError(f"a full-attention layer holds {k.shape[-2]} of {seen} tokens: not a prefill")
-        layer.lazy_initialization(k, v)
-        m = min(k.shape[-2], layer.max_cache_len)
-        layer.keys[:, :, -m:] = k[:, :, -m:]
-        layer.values[:, :, -m:] = v[:, :, -m:]
-        layer.cumulative_length.fill_(seen)
-        layer.cumulative_length_int = seen
+        fill_static(layer, k, v, seen)
     return cache
+
+
+def fill_static(layer, k: torch.Tensor, v: torch.Tensor, seen: int) -> None:
+    """Fill an empty StaticCache layer with a prefill's `k, v` (after `seen` tokens). A sliding layer
+    whose window the context passed holds the last tokens right-aligned, its length the true one: as
+    the layer stands once full, so its next step rolls them into place."""
+    if k.shape[-2] == seen and seen < layer.max_cache_len:
+        layer.update(k, v)
+        return
+    if not layer.is_sliding:
+        raise ValueError(f"a full-attention layer holds {k.shape[-2]} of {seen} tokens: not a prefill")
+    layer.lazy_initialization(k, v)
+    m = min(k.shape[-2], layer.max_cache_len)
+    layer.keys[:, :, -m:] = k[:, :, -m:]
+    layer.values[:, :, -m:] = v[:, :, -m:]
+    layer.cumulative_length.fill_(seen)
+    layer.cumulative_length_int = seen
+
+
+def fill_dynamic(layer, k: torch.Tensor, v: torch.Tensor, seen: int) -> None:
+    """Fill an empty DynamicCache layer with a prefill's `k, v` (after `seen` tokens; a sliding layer
+    holds only its window and counts every token seen)."""
+    layer.update(k, v)
+    if hasattr(layer, "sliding_window"):
+        layer.cumulative_length = seen
 
 
 def ask_static(model, tokenizer, pre: Prefill, question: Question) -> dict:

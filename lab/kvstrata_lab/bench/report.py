@@ -13,6 +13,7 @@ from kvstrata_lab.bench import (
     frontier,
     kernels,
     memory,
+    scaling,
     sparse_frontier,
     speed,
     transfer,
@@ -25,7 +26,7 @@ from kvstrata_lab.bench.results import FAMILY_COLOURS, USABLE, ReportInput, fmt,
 # ('' when its experiment has not run into this directory).
 SECTIONS = (
     transfer.report_section, frontier.report_section, speed.report_section, kernels.report_section,
-    memory.report_section,
+    memory.report_section, scaling.report_section,
     compare.report_section,
     sparse_frontier.report_section, depth_ablation.report_section, v41_prefill.report_section,
 )

@@ -109,6 +109,36 @@ def register(sub) -> None:
     mb.add_argument("--out", default="docs/results/kernels")
     mb.set_defaults(func=cmd_memory_bench)
 
+    sc = sub.add_parser("scaling-bench",
+                        help="decode time and peak memory against the context, each point in its own process")
+    sc.add_argument("--model", default="gemma3-270m")
+    sc.add_argument("--lengths", default=None,
+                    help="comma-separated context lengths (default: 2k..32k on gemma3-270m, else 2k..8k)")
+    sc.add_argument("--methods", default=None,
+                    help="comma-separated specs; `dynamic` / `static` are transformers' own caches "
+                         "(default: dynamic, static, bf16, fp8, nvfp4, int4:r=32 and a lowrank top-k)")
+    sc.add_argument("--new-tokens", type=int_in(2, 10_000), default=16,
+                    help="decode steps per point (the first is timed apart)")
+    sc.add_argument("--out", default="docs/results/scaling")
+    sc.set_defaults(func=cmd_scaling_bench)
+
+
+def cmd_scaling_bench(args) -> int:
+    from kvstrata.models import check_method
+    from kvstrata_lab.bench import scaling
+    from kvstrata_lab.bench.config import STOCK
+
+    lengths = ([length_arg(x, "--lengths") for x in csv_items(args.lengths)] if args.lengths
+               else list(scaling.LENGTHS.get(args.model, scaling.LENGTHS["smollm2-135m"])))
+    methods = split_methods(args.methods) if args.methods else list(scaling.METHODS)
+    for m in methods:
+        if m not in STOCK:
+            check_method(args.model, m)
+    check_context(args.model, max(lengths) + args.new_tokens + 1, "--lengths (+ --new-tokens)")
+    path = scaling.run(args.model, tuple(lengths), tuple(methods), Path(args.out), args.new_tokens)
+    print(f"results: {path}")
+    return 0
+
 
 def cmd_store_bench(args) -> int:
     from kvstrata.models import check_method
