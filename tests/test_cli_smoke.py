@@ -377,7 +377,7 @@ def test_scaling_bench(capsys, tmp_path):
     each in its own process; transformers' two caches, filled from the saved prefill, decode alike."""
     out = tmp_path / "scaling"
     run(capsys, f"scaling-bench --model tiny-gemma3 --lengths 300,700 --methods dynamic,static,nvfp4 "
-                f"--new-tokens 4 --out {out}")
+                f"--new-tokens 4 --out {out} --work {tmp_path / 'prefills'}")
     rs = rows(out / "scaling.jsonl")
     assert [(r["tokens"], r["method"]) for r in rs] == [
         (n, m) for n in (300, 700) for m in ("dynamic", "static", "nvfp4")]
@@ -387,7 +387,8 @@ def test_scaling_bench(capsys, tmp_path):
     assert all(by[(n, "dynamic")]["greedy"] == by[(n, "static")]["greedy"] for n in (300, 700))
     assert by[(700, "nvfp4")]["kv_mb"] < by[(700, "dynamic")]["kv_mb"]
     assert (out / "scaling.png").stat().st_size > 1000
-    run(capsys, f"scaling-bench --model tiny-gemma3 --lengths 300 --methods nvfp4 --new-tokens 4 --out {out}")
+    run(capsys, f"scaling-bench --model tiny-gemma3 --lengths 300 --methods nvfp4 --new-tokens 4 --out {out} "
+                f"--work {tmp_path / 'prefills'}")
     assert len(rows(out / "scaling.jsonl")) == 6  # a point already there is not run again
 
 

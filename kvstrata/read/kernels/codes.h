@@ -126,6 +126,18 @@ inline __m512 nibbles16(const uint8_t* p, __m512 table) {
 }
 #endif
 
+#if KV_AVX512
+// Integer codes j .. j + 16 (j a multiple of 16) of a 4- or 2-bit stream, low bits first, as floats.
+inline __m512 int_codes16(const uint8_t* p, int bits, int j) {
+  if (bits == 4) return nibbles16(p + j / 2, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  uint32_t word;
+  std::memcpy(&word, p + j / 4, 4);
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_cvtepi32_ps(
+      _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)word), shifts), _mm512_set1_epi32(3)));
+}
+#endif
+
 inline void bf16_row(const uint8_t* c, int d, float* out) {
   const uint16_t* p = reinterpret_cast<const uint16_t*>(c);
   int i = 0;
@@ -239,23 +251,10 @@ inline void int_row(const Run& r, const uint8_t* c, const uint8_t* s, const uint
   const uint16_t* mh = reinterpret_cast<const uint16_t*>(mn);
 #if KV_AVX512
   if (bits != 3 && blk % 16 == 0) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i three = _mm512_set1_epi32(3);
     for (int k = 0; k < nb; k++) {
       const __m512 vs = _mm512_set1_ps(half_to_float(sh[k])), lo = _mm512_set1_ps(half_to_float(mh[k]));
       const uint8_t* p = c + k * blk * bits / 8;
-      for (int j = 0; j < blk; j += 16) {
-        __m512 code;
-        if (bits == 4) {
-          code = nibbles16(p + j / 2, iota);
-        } else {
-          uint32_t word;
-          std::memcpy(&word, p + j / 4, 4);
-          code = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)word), shifts), three));
-        }
-        _mm512_storeu_ps(out + k * blk + j, _mm512_fmadd_ps(code, vs, lo));
-      }
+      for (int j = 0; j < blk; j += 16) _mm512_storeu_ps(out + k * blk + j, _mm512_fmadd_ps(int_codes16(p, bits, j), vs, lo));
     }
     return;
   }
@@ -321,8 +320,16 @@ inline void decode_channel_tile(const Run& r, int64_t b, int64_t h, int64_t t0, 
     // only the tile's codes (rounded out to whole bytes), not the whole group's
     const int m = whole ? (n * bits + 7) / 8 * 8 / bits : (int)r.block;
     const float* cd = whole ? codes : codes + off;
+    int i = 0;
+#if KV_AVX512
+    if (whole) {  // the tile's codes straight into its row of the transposed buffer, 16 at a time
+      const __m512 vs = _mm512_set1_ps(scale), vlo = _mm512_set1_ps(lo);
+      for (; i + 16 <= n; i += 16) _mm512_storeu_ps(o + i, _mm512_fmadd_ps(int_codes16(p + ofs, bits, i), vs, vlo));
+      if (i == n) continue;
+    }
+#endif
     int_codes(whole ? p + ofs : p, m, bits, codes);
-    for (int i = 0; i < n; i++) o[i] = lo + cd[i] * scale;
+    for (; i < n; i++) o[i] = lo + cd[i] * scale;
   }
 }
 

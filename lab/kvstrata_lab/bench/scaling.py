@@ -5,8 +5,10 @@ and its K/V saved per layer (safetensors). Each (length, method) point then runs
 its own: the model loaded and a 5-token step run (the baseline), the saved K/V loaded one layer at a
 time into the method's cache (`dynamic`: transformers' DynamicCache, `static`: its StaticCache sized
 to the context + the new tokens, both attending as the model does; any other spec: kvstrata's
-cache), `new` greedy decode steps timed (the first apart), then peak RSS above the baseline and the
-bytes the cache holds. Rows go to `OUT/scaling.jsonl`; `OUT/scaling.png` plots both.
+cache), `new` greedy decode steps timed (the first apart), then the peak RSS since the baseline (the
+kernel's peak counter reset there: loading the model peaks higher than a context costs) above it,
+and the bytes the cache holds. The allocator first reuses the ~25 MB loading the model left free
+(resident), so a point whose cache and transients stay below that shows ~0 above the baseline. Rows go to `OUT/scaling.jsonl`; `OUT/scaling.png` plots both.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,7 +41,7 @@ from kvstrata_lab.bench.results import ReportInput, read_jsonl
 
 METHODS = ("dynamic", "static", "bf16", "fp8", "nvfp4", "int4:r=32",
            "topk:k=512,schedule=F1,indexer=lowrank,rank=16")
-LENGTHS = {"gemma3-270m": (2048, 4096, 8192, 16384, 32768), "smollm2-135m": (2048, 4096, 8192)}
+LENGTHS = {"gemma3-270m": (2048, 4096, 8192, 16384, 32000), "smollm2-135m": (2048, 4096, 8000)}
 CHUNK = 512
 
 
@@ -61,12 +64,27 @@ def save_prefill(model_name: str, tokens: int, path: Path) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
 def _layers(path: Path):
-    """The saved prefill's layers, one at a time: (k, v, seen)."""
-    with safe_open(str(path), "pt") as f:
-        seen = json.loads(f.metadata()["seen"])
+    """The saved prefill's layers, one at a time: (k, v, seen). Read with plain file reads, not a
+    memory map, so a layer's bytes leave the process once it is in the cache (a mapped file's pages
+    would count in RSS for as long as it is open)."""
+    with path.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        seen = json.loads(header["__metadata__"]["seen"])
+
+        def tensor(name: str) -> torch.Tensor:
+            entry = header[name]
+            start, stop = entry["data_offsets"]
+            f.seek(8 + size + start)
+            data = bytearray(f.read(stop - start))
+            return torch.frombuffer(data, dtype=_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
         for i, s in enumerate(seen):
-            yield f.get_tensor(f"k{i}"), f.get_tensor(f"v{i}"), s
+            yield tensor(f"k{i}"), tensor(f"v{i}"), s
 
 
 def _cache(model, method: str, path: Path, tokens: int, new: int):
@@ -85,6 +103,20 @@ def _cache(model, method: str, path: Path, tokens: int, new: int):
     return cache, reading(model, cache, spec), lambda: cache.nbytes()["total"]
 
 
+def _status_mb(key: str) -> float:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def _reset_peak() -> float:
+    """Reset this process's peak RSS to its current RSS (Linux: clear_refs 5); returns it, MiB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_mb("VmRSS")
+
+
 def point(model_name: str, method: str, path: Path, new: int) -> dict:
     """One (length, method) point, in this process (see the module's docstring)."""
     model, _ = load(model_name)
@@ -99,7 +131,7 @@ def point(model_name: str, method: str, path: Path, new: int) -> dict:
         del small
         gc.collect()
         _malloc_trim()
-        base = peak_rss_mb()
+        base = _reset_peak()  # loading the model peaked higher than a context costs; start afresh
         cache, ctx, held = _cache(model, method, path, tokens, new)
         gc.collect()
         _malloc_trim()
@@ -110,17 +142,30 @@ def point(model_name: str, method: str, path: Path, new: int) -> dict:
                 nxt = forward(model, nxt, cache)[:, -1:].argmax(-1)
                 times.append(time.perf_counter() - t0)
                 greedy.append(int(nxt))
-        peak = peak_rss_mb()
+        peak = _status_mb("VmHWM")
     steps = times[1:] or times
     return {"model": model_name, "method": method, "tokens": tokens, "new_tokens": new,
             "decode_s_per_token": sum(steps) / len(steps), "first_step_s": times[0], "kv_mb": held() / 2**20,
             "baseline_rss_mb": base, "peak_rss_mb": peak, "above_baseline_mb": peak - base,
+            "process_peak_rss_mb": peak_rss_mb(),
             "threads": torch.get_num_threads(), "greedy": greedy}
+
+
+def _saved(path: Path, model_name: str, tokens: int) -> bool:
+    """Whether `path` is a readable prefill of `tokens` tokens saved by `save_prefill` for this model."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - missing, cut short or not ours: prefill again
+        return False
+    return meta.get("model") == model_name and meta.get("tokens") == str(tokens)
 
 
 def _child(args: list[str]) -> dict:
     cmd = [sys.executable, "-m", "kvstrata_lab.bench.scaling", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    # large buffers mapped apart, so one freed is gone from RSS (not kept in the heap for reuse)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"scaling-bench {args[0]} {' '.join(args[1:3])} failed: "
                            f"{(out.stderr.strip().splitlines() or ['?'])[-1]}")
@@ -131,9 +176,10 @@ def _child(args: list[str]) -> dict:
 def run(model_name: str, lengths: tuple[int, ...], methods: tuple[str, ...], out: Path, new: int = 16,
         work: Path | None = None) -> Path:
     """Every point in its own process; rows appended to `out/scaling.jsonl` as they finish (a point
-    already there is skipped), then the plot. Prefills are kept in `work` (default `out/prefills`)."""
+    already there is skipped), then the plot. Prefills are kept in `work` (default
+    `$KVSTRATA_CACHE/scaling`: hundreds of MB at 32k, never beside the results)."""
     out.mkdir(parents=True, exist_ok=True)
-    work = work or out / "prefills"
+    work = work or Path(os.environ.get("KVSTRATA_CACHE", Path.home() / ".cache" / "kvstrata")) / "scaling"
     work.mkdir(parents=True, exist_ok=True)
     path = out / "scaling.jsonl"
     done = {(r["model"], r["tokens"], r["method"]) for r in read_jsonl(path)}
@@ -141,7 +187,7 @@ def run(model_name: str, lengths: tuple[int, ...], methods: tuple[str, ...], out
     with path.open("a") as f:
         for n, m in tqdm(todo, desc=f"scaling-bench {model_name}", unit="point"):
             saved = work / f"{model_name}-{n}.safetensors"
-            if not saved.exists():
+            if not _saved(saved, model_name, n):
                 _child(["prefill", model_name, str(n), str(saved)])
             row = _child(["point", model_name, m, str(saved), str(new)])
             f.write(json.dumps(row) + "\n")

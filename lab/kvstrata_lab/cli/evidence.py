@@ -15,6 +15,7 @@ from kvstrata.cli.inputs import (
     int_in,
     length_arg,
     split_methods,
+    writable_dir,
 )
 
 
@@ -120,6 +121,8 @@ def register(sub) -> None:
     sc.add_argument("--new-tokens", type=int_in(2, 10_000), default=16,
                     help="decode steps per point (the first is timed apart)")
     sc.add_argument("--out", default="docs/results/scaling")
+    sc.add_argument("--work", default=None,
+                    help="where each length's saved prefill is kept (default: $KVSTRATA_CACHE/scaling)")
     sc.set_defaults(func=cmd_scaling_bench)
 
 
@@ -135,7 +138,9 @@ def cmd_scaling_bench(args) -> int:
         if m not in STOCK:
             check_method(args.model, m)
     check_context(args.model, max(lengths) + args.new_tokens + 1, "--lengths (+ --new-tokens)")
-    path = scaling.run(args.model, tuple(lengths), tuple(methods), Path(args.out), args.new_tokens)
+    writable_dir(args.out, "--out")
+    work = writable_dir(args.work, "--work") if args.work else None
+    path = scaling.run(args.model, tuple(lengths), tuple(methods), Path(args.out), args.new_tokens, work)
     print(f"results: {path}")
     return 0
 
