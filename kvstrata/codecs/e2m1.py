@@ -34,7 +34,7 @@ _VALUES = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)], dtype=torch.f
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """`x` float (already scaled) -> uint8 codes 0..15 (bit 3 = sign), same shape."""
     a = x.abs() if x.dtype == torch.float64 else x.abs().float()  # narrower floats widen exactly
-    mag = torch.bucketize(a, _above(a.dtype, a.device)).to(torch.uint8)
+    mag = torch.bucketize(a, _above(a.dtype, a.device), out_int32=True).to(torch.uint8)
     sign = ((x < 0) & (mag > 0)).to(torch.uint8) << 3
     return mag | sign
 

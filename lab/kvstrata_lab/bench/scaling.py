@@ -8,7 +8,8 @@ to the context + the new tokens, both attending as the model does; any other spe
 cache), `new` greedy decode steps timed (the first apart), then the peak RSS since the baseline (the
 kernel's peak counter reset there: loading the model peaks higher than a context costs) above it,
 and the bytes the cache holds. The allocator first reuses the ~25 MB loading the model left free
-(resident), so a point whose cache and transients stay below that shows ~0 above the baseline. Rows go to `OUT/scaling.jsonl`; `OUT/scaling.png` plots both.
+(resident), so a point whose cache and transients stay below that shows ~0 above the baseline.
+Rows go to `OUT/scaling.jsonl`; `OUT/scaling.png` plots both.
 """
 
 from __future__ import annotations
