@@ -249,3 +249,19 @@ def test_sparse_reads_from_codes_equal_gathering_from_dense(spec, tiny_llama, mo
     assert got[1] == ref[1]
     assert all(torch.equal(got[2][k], ref[2][k]) for k in ref[2])
     assert got[3] == 0 and ref[3] > 0  # the fused path never builds a dense copy of a layer
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp8", "nvfp4", "int4:r=0", "int4:r=0,keys=token,v=nvfp4"])
+def test_a_score_bias_adds_before_scaling_on_every_path(spec, isa):
+    """Outlier channels held apart reach the kernel as a per-token score bias; each decode path adds
+    it as the reference does, dense and sparse."""
+    view, (tk, tv), q = _view(spec, (1, 9, 3, 64), seed=4)
+    total = view.tokens + tk.shape[-2]
+    bias = torch.randn(1, 9, total, generator=torch.Generator().manual_seed(4))
+    ref = decode_attention(q, view, tk, tv, 0.1, bias=bias, fused=False)
+    torch.testing.assert_close(decode_attention(q, view, tk, tv, 0.1, bias=bias), ref, rtol=1e-4, atol=1e-5)
+    idx = torch.stack([torch.randperm(total, generator=torch.Generator().manual_seed(h))[:25].sort().values
+                       for h in range(3)])[None]
+    ref = decode_attention(q, view, tk, tv, 0.1, idx=idx, bias=bias, fused=False)
+    torch.testing.assert_close(decode_attention(q, view, tk, tv, 0.1, idx=idx, bias=bias), ref,
+                               rtol=1e-4, atol=1e-5)
