@@ -25,6 +25,8 @@ COMPACT_ROWS = 64
 #: largest magnitude, so later rows up to that size still fit; block scales stay in E4M3's normal
 #: range, where its relative precision does not depend on the magnitude
 HEADROOM = 4.0
+#: tokens a long run is encoded at a time (rounded down to whole key groups)
+ENCODE_CHUNK = 4096
 
 
 @dataclass(kw_only=True)
@@ -70,19 +72,49 @@ def encode_segment(recipe: StoreRecipe, keys: torch.Tensor, values: torch.Tensor
                    reserve: int = 0) -> Segment:
     """`keys, values: [batch, kv_heads, tokens, head_dim]` -> Segment encoded through `fitted` (a last
     key group short of `key_group` tokens is padded with its last token and held whole; it takes no
-    appends); `reserve` spare tokens are allocated for later `append`s."""
-    kt, values, side = _prepare(recipe, fitted, keys, values)
-    encoded = []
-    for codec, x in ((recipe.codec, kt), (recipe.value_codec, values)):
-        if reserve and isinstance(codec, SharedScale):
-            encoded.append(codec.encode(x, codec.scale_for(x.abs().amax() * HEADROOM)))
-        else:
-            encoded.append(codec.encode(x))
-    seg = Segment(keys=encoded[0], values=encoded[1], length=keys.shape[-2], fitted=fitted)
-    seg.keys.parts.update(side)
+    appends); `reserve` spare tokens are allocated for later `append`s. A long run is encoded
+    `ENCODE_CHUNK` tokens at a time into the same codes (every codec encodes token by token or in
+    whole key groups; a shared tensor scale is the whole run's), so the encoders' float32
+    intermediates stay the size of a chunk, not of a 32k-token layer."""
+    n = keys.shape[-2]
+    step = max(recipe.key_group, ENCODE_CHUNK // recipe.key_group * recipe.key_group)
+    spans = [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+    codecs = (recipe.codec, recipe.value_codec)
+    scales: list[torch.Tensor | None] = [None, None]
+    for which, codec in enumerate(codecs):
+        if isinstance(codec, SharedScale) and (reserve or len(spans) > 1):
+            amax = max(_prepare(recipe, fitted, keys[..., a:b, :], values[..., a:b, :])[which].abs().amax()
+                       for a, b in spans)
+            scales[which] = codec.scale_for(amax * (HEADROOM if reserve else 1.0))
+    pieces = []
+    for a, b in spans:
+        kt, v, side = _prepare(recipe, fitted, keys[..., a:b, :], values[..., a:b, :])
+        enc = [codec.encode(x) if sc is None else codec.encode(x, sc)
+               for codec, x, sc in zip(codecs, (kt, v), scales)]
+        enc[0].parts.update(side)
+        pieces.append((enc, set(side)))
+    kax, vax = _axes(recipe)
+    side = pieces[0][1]
+    seg = Segment(keys=_joined([p[0][0] for p in pieces], kax, side),
+                  values=_joined([p[0][1] for p in pieces], vax), length=n, fitted=fitted)
     if reserve:
         _reserve(recipe, seg, reserve)
     return seg
+
+
+def _joined(pieces: list[QTensor], axis: int, side: set[str] = frozenset()) -> QTensor:
+    """Consecutive token spans' encodings as one: parts joined along the token `axis` (the
+    transforms' `side` parts along their own token axis, 2); one tensor scale, shared."""
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0]
+    parts = {name: t if name == "tensor_scale" else
+             torch.cat([p.parts[name] for p in pieces], 2 if name in side else axis)
+             for name, t in first.parts.items()}
+    shape = list(first.shape)
+    tokens = -1 if axis == 3 else -2  # keys grouped per channel are encoded transposed: tokens last
+    shape[tokens] = sum(p.shape[tokens] for p in pieces)
+    return QTensor(codec=first.codec, shape=tuple(shape), dtype=first.dtype, parts=parts)
 
 
 def probe_segment(recipe: StoreRecipe, kv_heads: int, head_dim: int, tokens: int = 256) -> Segment:

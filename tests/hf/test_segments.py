@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from kvstrata.codecs.transform import Fitted
+from kvstrata.hf import segments
 from kvstrata.hf.segments import append, decode_segment, drop_front, encode_segment, shrink
 from kvstrata.methods import parse_method
 
@@ -54,3 +56,24 @@ def test_drop_front_hides_then_frees_whole_key_groups():
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert drop_front(recipe, seg, 96) is None
+
+
+@pytest.mark.parametrize("spec", ["bf16", "fp8", "fp8:block=8", "nvfp4", "nvfp4:fit=lsq", "mxfp4", "int4:r=0",
+                                  "int2:group=16,r=0", "int3:keys=token,group=16,r=0",
+                                  "int4:r=0,keys=token,v=nvfp4", "nvfp4:center=1,outliers=2,rot=hadamard",
+                                  "int4:keys=channel,group=16,r=0,v=nvfp4,smooth=0.5,rot=hadamard"])
+@pytest.mark.parametrize("tokens, reserve", [(200, 0), (203, 0), (200, 64)])
+def test_a_long_run_encodes_in_chunks_into_the_codes_of_one_encode(spec, tokens, reserve, monkeypatch):
+    """A run longer than ENCODE_CHUNK is encoded a chunk at a time (bounded float32 intermediates);
+    every part equals the whole run's encoding byte for byte (a ragged last key group included)."""
+    recipe = parse_method(spec).full
+    k, v = kv(tokens, seed=3)
+    k = k * 4
+    fitted = Fitted.fit(recipe.transforms, k)
+    whole = encode_segment(recipe, k, v, fitted, reserve)
+    monkeypatch.setattr(segments, "ENCODE_CHUNK", 48)
+    chunked = encode_segment(recipe, k, v, fitted, reserve)
+    for a, b in ((whole.keys, chunked.keys), (whole.values, chunked.values)):
+        assert a.shape == b.shape and a.parts.keys() == b.parts.keys()
+        assert all(torch.equal(a.parts[p], b.parts[p]) for p in a.parts)
+    assert [t.shape for t in whole.parts()] == [t.shape for t in chunked.parts()]

@@ -71,17 +71,7 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
     // scores s[g * TILE + i]
     if (kr.channel) {
       decode_channel_tile(kr, b, h, tile.row, n, d, kbuf.data());
-      for (int g = 0; g < G; g++) {
-        float* sg = s.data() + g * TILE;
-        for (int i = 0; i < n; i++) sg[i] = 0.f;
-        const float* qg = q + g * d;
-        for (int c = 0; c < d; c++) {
-          const float qc = qg[c];
-          const float* kc = kbuf.data() + c * TILE;
-#pragma omp simd
-          for (int i = 0; i < n; i++) sg[i] += qc * kc[i];
-        }
-      }
+      channel_scores(q, G, d, kbuf.data(), n, s.data());
     } else {
       decode_tile(kr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, dp, kbuf.data());
       for (int g = 0; g < G; g++) dots(q + g * d, kbuf.data(), n, d, dp, s.data() + g * TILE);

@@ -164,6 +164,55 @@ inline void accumulate_group(const float* p, int G, const float* vbuf, int n, in
   for (int g = 0; g < G; g++) accumulate(p + g * TILE, vbuf, n, d, dp, acc + g * d);
 }
 
+#if KV_AVX512
+// channel_scores for a tile of n = 16 * nb tokens (nb <= 4) and GG query heads: GG x nb
+// accumulators of 16 tokens each, the tile's channel rows loaded once for every head.
+template <int GG>
+inline void channel_scores_tile(const float* q, int d, const float* kT, int nb, float* s) {
+  __m512 acc[GG][4];
+  for (int g = 0; g < GG; g++)
+    for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+  for (int c = 0; c < d; c++) {
+    const float* kc = kT + c * TILE;
+    __m512 k[4];
+    for (int j = 0; j < 4; j++) k[j] = j < nb ? _mm512_loadu_ps(kc + 16 * j) : _mm512_setzero_ps();
+    for (int g = 0; g < GG; g++) {
+      const __m512 qv = _mm512_set1_ps(q[g * d + c]);
+      for (int j = 0; j < 4; j++) acc[g][j] = _mm512_fmadd_ps(qv, k[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GG; g++)
+    for (int j = 0; j < nb; j++) _mm512_storeu_ps(s + g * TILE + 16 * j, acc[g][j]);
+}
+#endif
+
+// s[g * TILE + i] = q_g . k_i for a tile of keys held transposed (kT[c * TILE + i], channel c of
+// token i; KIVI keys grouped per channel) and the G query heads q[g * d ..].
+inline void channel_scores(const float* q, int G, int d, const float* kT, int n, float* s) {
+#if KV_AVX512
+  if (n % 16 == 0 && n <= TILE && G <= 4) {
+    const int nb = n / 16;
+    switch (G) {
+      case 1: channel_scores_tile<1>(q, d, kT, nb, s); return;
+      case 2: channel_scores_tile<2>(q, d, kT, nb, s); return;
+      case 3: channel_scores_tile<3>(q, d, kT, nb, s); return;
+      default: channel_scores_tile<4>(q, d, kT, nb, s); return;
+    }
+  }
+#endif
+  for (int g = 0; g < G; g++) {
+    float* sg = s + g * TILE;
+    for (int i = 0; i < n; i++) sg[i] = 0.f;
+    const float* qg = q + g * d;
+    for (int c = 0; c < d; c++) {
+      const float qc = qg[c];
+      const float* kc = kT + c * TILE;
+#pragma omp simd
+      for (int i = 0; i < n; i++) sg[i] += qc * kc[i];
+    }
+  }
+}
+
 // max(x[0..n)), -inf when n = 0
 inline float max_of(const float* x, int n) {
   float m = -std::numeric_limits<float>::infinity();
