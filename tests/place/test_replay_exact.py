@@ -3,14 +3,15 @@ exact replay reruns 3 x 15 = 45 tokens). Property tests over random prompts, spl
 turn ending on a block boundary or inside a block; the cached prefix just below, at and above the
 replay length) and turn sequences of hits, replays and misses, each served prompt against a cold
 run of it (a fresh store: a miss). With lossless KV (a bf16 model, bf16 records) a hit and an exact
-replay are the cold run, bit for bit, greedy tokens and logits; a bounded replay that reruns less
+replay are the cold run: the served logits bit for bit, the greedy tokens equal and the decode
+steps' logits to the summation order of the held runs; a bounded replay that reruns less
 than the prefix is an approximation whose error stays small. Depth sharing is refused by the store
 (`test_prefix_server.py::test_specs_the_store_cannot_hold_are_refused`); a top-k read (`topk:`) is
 here: its decode steps read sparsely from the installed or replayed cache."""
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvstrata.hf.run import decode_steps
@@ -74,6 +75,7 @@ EVENTS = st.sampled_from(["hit", "replay", "miss"])
 @given(seed=st.integers(0, 2**16), block=st.sampled_from([5, 8]), first=st.integers(6, 72),
        turns=st.lists(st.tuples(st.integers(1, 24), EVENTS), min_size=1, max_size=3),
        method=st.sampled_from(["bf16", TOPK]), n_win=st.sampled_from([EXACT, WINDOW, 2 * WINDOW]))
+@example(seed=1611, block=5, first=59, turns=[(24, "hit")], method="bf16", n_win=EXACT)  # runs differ
 def test_turns_against_a_cold_run(gemma_bf16, seed, block, first, turns, method, n_win):
     """A conversation several turns deep, each turn a hit, a replay or a miss as its event says: a
     hit, a miss and a replay that covers the receptive field give the cold run's logits and greedy
@@ -100,7 +102,10 @@ def test_turns_against_a_cold_run(gemma_bf16, seed, block, first, turns, method,
             ref_tokens, ref_rows = decode_steps(gemma_bf16, ref.cache, ref.logits, NEW, method)
             got_tokens, got_rows = decode_steps(gemma_bf16, served.cache, served.logits, NEW, method)
             assert got_tokens == ref_tokens
-            torch.testing.assert_close(got_rows, ref_rows, atol=0, rtol=0)
+            # decode steps read the codes in tiles that follow the held runs: a cache installed from
+            # stored blocks holds other runs than the one that prefilled, so its online softmax sums
+            # the same terms in another order (seed 1611, block 5, first 59, a hit after 24: 3e-3)
+            torch.testing.assert_close(got_rows, ref_rows, atol=1e-2, rtol=1e-2)
         else:  # a bounded replay of part of the prefix, now or in an earlier turn: close, not equal
             error = kl(ref.logits, served.logits)
             assert torch.isfinite(error).all() and error.item() < 0.05

@@ -38,41 +38,64 @@ inline __m256 hsum8(const __m256* a) {
 }
 #endif
 
-// s[i] = q . k[i] for the n rows of `kbuf` (row stride dp).
+// s[i] = q . k[i] for the n rows of `kbuf` (row stride dp). Each row's sum is taken in one order
+// that depends on d alone, never on where the row sits in the tile (the last rows of a tile are
+// summed as a full block's, padded): a token scores the same whichever runs and tiles hold it, so a
+// cache installed from stored blocks decodes as the one that prefilled them, bit for bit.
 inline void dots(const float* q, const float* kbuf, int n, int d, int dp, float* s) {
-  int i = 0;
 #if KV_AVX512
   if (d % 16 == 0) {
-    for (; i + 16 <= n; i += 16) {  // 16 rows at once: one accumulator each, folded to 8 lanes, then summed
+    for (int i = 0; i < n; i += 16) {  // 16 rows at once: one accumulator each, folded to 8 lanes, then summed
+      const int m = std::min(16, n - i);
       __m256 h[16];
       const float* k = kbuf + (int64_t)i * dp;
       for (int j = 0; j < 16; j++, k += dp) {  // one row pointer, constant offsets: no spilled addresses
+        if (j >= m) {
+          h[j] = _mm256_setzero_ps();
+          continue;
+        }
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
         for (int c = 16; c < d; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a);
         h[j] = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
       }
-      _mm256_storeu_ps(s + i, hsum8(h));
-      _mm256_storeu_ps(s + i + 8, hsum8(h + 8));
+      if (m == 16) {
+        _mm256_storeu_ps(s + i, hsum8(h));
+        _mm256_storeu_ps(s + i + 8, hsum8(h + 8));
+      } else {
+        float out[16];
+        _mm256_storeu_ps(out, hsum8(h));
+        _mm256_storeu_ps(out + 8, hsum8(h + 8));
+        std::memcpy(s + i, out, sizeof(float) * m);
+      }
     }
+    return;
   }
 #endif
 #if KV_AVX2
   if (d % 8 == 0) {
-    for (; i + 8 <= n; i += 8) {
+    for (int i = 0; i < n; i += 8) {
+      const int m = std::min(8, n - i);
       __m256 a[8];
       for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
       for (int c = 0; c < d; c += 8) {
         const __m256 qv = _mm256_loadu_ps(q + c);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbuf + (int64_t)(i + j) * dp + c), a[j]);
+        for (int j = 0; j < m; j++)
+          a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kbuf + (int64_t)(i + j) * dp + c), a[j]);
       }
-      _mm256_storeu_ps(s + i, hsum8(a));
+      if (m == 8) {
+        _mm256_storeu_ps(s + i, hsum8(a));
+      } else {
+        float out[8];
+        _mm256_storeu_ps(out, hsum8(a));
+        std::memcpy(s + i, out, sizeof(float) * m);
+      }
     }
+    return;
   }
 #endif
-  for (; i < n; i++) {
+  for (int i = 0; i < n; i++) {
     const float* k = kbuf + (int64_t)i * dp;
     float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
     for (int c = 0; c < d; c++) acc += q[c] * k[c];
     s[i] = acc;
   }
