@@ -31,7 +31,7 @@ from transformers import DynamicCache, StaticCache
 
 from kvstrata.hf import CompressedCache
 from kvstrata.hf.attention import stock_attention
-from kvstrata.hf.run import _malloc_trim, forward, peak_rss_mb
+from kvstrata.hf.run import _malloc_trim, forward, peak_rss_mb, prefill_chunked
 from kvstrata.hf.topk_attention import reading
 from kvstrata.methods import parse_method
 from kvstrata.models.loader import load
@@ -53,8 +53,7 @@ def save_prefill(model_name: str, tokens: int, path: Path) -> None:
     ids = torch.tensor([natural_ids(tok, tokens)])
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        for start in tqdm(range(0, tokens - 1, CHUNK), desc=f"prefill {tokens:,}", unit="chunk", leave=False):
-            forward(model, ids[:, start:min(start + CHUNK, tokens - 1)], cache)
+        prefill_chunked(model, cache, ids[:, :-1], CHUNK)
         logits = forward(model, ids[:, -1:], cache)
     tensors, seen = {}, []
     for i, layer in enumerate(cache.layers):
