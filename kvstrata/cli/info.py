@@ -38,11 +38,11 @@ def methods(args) -> int:
 
 def models(args) -> int:
     from kvstrata.models import KNOWN_MODELS, TINY_MODELS
-    from kvstrata.models.loader import COMPLETE_MARK, converted_path
+    from kvstrata.models.loader import is_converted
 
     for m in KNOWN_MODELS.values():
         state = "installed" if m.installed() else f"missing ({m.install_command})"
-        if (converted_path(m.name) / COMPLETE_MARK).exists():
+        if is_converted(m.name):
             state += ", converted"
         print(f"{m.name:<14} {state}\n  {m.description}")
     for t in TINY_MODELS.values():

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvstrata.hf.cache import check_fits_model
@@ -25,6 +25,9 @@ from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
 from kvstrata.models.tiny import save_tiny, tiny_config
 
 COMPLETE_MARK = "kvstrata-converted.ok"
+#: bumped when what a converted directory holds changes: an older directory is converted again
+#: (2: tied weights stored under the name they are tied to, `architectures` in config.json)
+CONVERTED_FORMAT = 2
 
 
 def cache_dir() -> Path:
@@ -70,14 +73,40 @@ def _convert(name: str) -> Path:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        config.architectures = [type(model).__name__]
         config.save_pretrained(tmp)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(standard_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(tmp)
-        return str(gguf)
+        return _mark(gguf)
 
     return _install(converted_path(name), write)
+
+
+def is_converted(name: str) -> bool:
+    """Whether known model `name` has a complete converted directory of the current format."""
+    mark = converted_path(name) / COMPLETE_MARK
+    try:
+        return mark.read_text().startswith(f"format {CONVERTED_FORMAT} ")
+    except OSError:
+        return False
+
+
+def _mark(gguf: Path) -> str:
+    return f"format {CONVERTED_FORMAT} {gguf}"
+
+
+def standard_tensors(model) -> dict[str, torch.Tensor]:
+    """The weights as every engine reads them: a tied weight once, under the name it is tied to
+    (`model.embed_tokens.weight`, not `lm_head.weight`: an engine that reads the tie from the config
+    fills the embedding from that name and leaves a stray head name unused)."""
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if model.config.get_text_config().tie_word_embeddings:
+        for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+            if source in tensors and target in tensors:
+                del tensors[target]
+    return tensors
 
 
 def _tiny(name: str) -> Path:
@@ -122,8 +151,7 @@ def resolve(name_or_path: str) -> Path:
         return _tiny(key)
     if key not in KNOWN_MODELS:
         return Path(name_or_path).expanduser()
-    path = converted_path(key)
-    return path if (path / COMPLETE_MARK).exists() else _convert(key)
+    return converted_path(key) if is_converted(key) else _convert(key)
 
 
 def load(name_or_path: str, dtype: torch.dtype = torch.float32):

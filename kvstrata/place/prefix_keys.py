@@ -18,7 +18,8 @@ from collections.abc import Sequence
 LAYOUT_VERSION = 1
 
 
-def namespace(model_fingerprint: str, method: str, dtype: str, layout_version: int = LAYOUT_VERSION) -> bytes:
+def namespace(model_fingerprint: str, method: str, dtype: str,
+              layout_version: int | str = LAYOUT_VERSION) -> bytes:
     """32-byte namespace of everything that changes stored bytes besides the tokens."""
     doc = json.dumps({"model": model_fingerprint, "method": method, "dtype": dtype, "layout": layout_version},
                      sort_keys=True)

@@ -1,7 +1,16 @@
 import pytest
+import torch
 
 from kvstrata.models import KNOWN_MODELS, ModelNotInstalled, load, resolve
 from kvstrata.models.catalog import KnownModel
+from kvstrata.models.loader import (
+    COMPLETE_MARK,
+    CONVERTED_FORMAT,
+    converted_path,
+    is_converted,
+    load_model,
+    standard_tensors,
+)
 from kvstrata.models.tiny import save_tiny
 
 
@@ -48,3 +57,25 @@ def test_tiny_models_are_written_once_and_rewritten_when_stale(tmp_path, monkeyp
     assert load_tokenizer("tiny-gemma3")("ab").input_ids == [97, 98]
     model, _ = load("tiny-gemma3")
     assert model.config.model_type == "gemma3_text" and model.config.sliding_window == 16
+
+
+def test_converted_weights_are_stored_as_engines_read_them():
+    """A tied head is stored once, under the embedding's name (vLLM fills its embedding from that
+    name); loading the tensors back gives the same model."""
+    model = load_model(resolve("tiny-llama"))
+    tensors = standard_tensors(model)
+    assert "model.embed_tokens.weight" in tensors and "lm_head.weight" not in tensors
+    assert set(tensors) == set(model.state_dict()) - {"lm_head.weight"}
+    fresh = load_model(resolve("tiny-llama"))
+    fresh.load_state_dict(tensors, strict=False)
+    assert torch.equal(fresh.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_an_older_converted_directory_is_converted_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_CACHE", str(tmp_path))
+    mark = converted_path("smollm2-135m") / COMPLETE_MARK
+    mark.parent.mkdir(parents=True)
+    mark.write_text("/old/path/model.gguf")  # format 1 wrote only the GGUF's path
+    assert not is_converted("smollm2-135m")
+    mark.write_text(f"format {CONVERTED_FORMAT} /some/model.gguf")
+    assert is_converted("smollm2-135m")

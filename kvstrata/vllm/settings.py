@@ -1,0 +1,76 @@
+"""The connector's configuration (vLLM's `kv_connector_extra_config`) and the records' namespace.
+
+Every key is checked when the engine starts: an unknown key, an unknown method or an unreadable
+store config is one clear line then, never a silent default halfway through serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstrata.place.config import StoreConfig
+from kvstrata.place.prefix_keys import model_fingerprint, namespace
+
+#: extra-config key -> what it sets
+KEYS = {
+    "method": "how chunks are held at rest: 'lossless' (the engine's bf16) or a store spec such as "
+              "'nvfp4'",
+    "store": "a store TOML file ([store] table, as `kvstrata serve --config` reads); KVSTRATA_STORE_* apply",
+    "chunk_tokens": "tokens per record: a multiple of vLLM's block size (default: the store's block_size, "
+                    "rounded down to one)",
+}
+#: what vLLM's layout adds to the namespace: records of this connector are never read as our own server's
+LAYOUT = "vllm-chunks-1"
+
+
+class ConfigError(ValueError):
+    """The connector's configuration is wrong (said at engine start)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    method: str
+    store: StoreConfig
+    chunk_tokens: int
+
+    @classmethod
+    def parse(cls, extra: dict | None, block_size: int) -> "Settings":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            raise ConfigError(f"kvstrata connector: unknown kv_connector_extra_config keys {unknown} "
+                              f"(known: {', '.join(KEYS)})")
+        method = extra.get("method", "lossless")
+        if not isinstance(method, str) or not method:
+            raise ConfigError(f"kvstrata connector: method must be a spec string, got {method!r}")
+        try:
+            store = StoreConfig.load(extra.get("store") or None)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"kvstrata connector: store config: {exc}") from None
+        chunk = extra.get("chunk_tokens", store.block_size // block_size * block_size)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < block_size or chunk % block_size:
+            raise ConfigError(f"kvstrata connector: chunk_tokens must be a positive multiple of vLLM's block "
+                              f"size {block_size}, got {chunk!r}")
+        return cls(method=method, store=store, chunk_tokens=chunk)
+
+
+def files_fingerprint(model_dir: str | Path) -> str:
+    """The model as an engine loads it: its config and a digest of its weight files' bytes."""
+    root = Path(model_dir)
+    config = json.loads((root / "config.json").read_text())
+    h = hashlib.sha256()
+    for f in sorted(root.glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0")
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 24):
+                h.update(block)
+    return model_fingerprint(config, h.hexdigest())
+
+
+def records_namespace(model_dir: str | Path, method_text: str, dtype: str, chunk_tokens: int) -> bytes:
+    """Namespace of this engine's records: model files, canonical method, engine dtype, chunk layout."""
+    return namespace(files_fingerprint(model_dir), method_text, dtype,
+                     layout_version=f"{LAYOUT}/{chunk_tokens}")

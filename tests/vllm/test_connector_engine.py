@@ -1,0 +1,141 @@
+"""The kvstrata connector inside a real vLLM engine (CPU backend, eager, SmolLM2-135M in bf16), run in
+vLLM's own environment (`make vllm-env`; `make test` builds it) by `engine_driver.py`.
+
+Two engine lifetimes over one disk store: the second serves the prompt's prefix from disk and
+answers as the cold engine did; another tenant's salt never hits; a record put under another
+chunk's key, or with one flipped byte, is a miss there and the rest is recomputed with the same
+answer. A third engine stores on Redis, which is killed mid-run: recompute, no crash. A bad
+connector config fails at engine start with one line.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from redis_helpers import RedisServer
+
+from kvstrata.models.loader import load_tokenizer, resolve
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("engine_driver.py")
+CHUNK = 64
+TEXT = (ROOT / "docs" / "architecture.md").read_text()[:1400]
+
+
+def vllm_python() -> Path:
+    py = Path(os.environ.get("KVSTRATA_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    if not py.exists():
+        pytest.fail(f"vLLM's environment is missing ({py}): run `make vllm-env`")
+    return py
+
+
+def drive(tmp: Path, name: str, request: dict) -> list[dict]:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(request))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([str(vllm_python()), str(DRIVER), str(path)], capture_output=True, text=True,
+                          timeout=900, env=env)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-6000:])
+        pytest.fail(f"the vLLM engine driver exited with {proc.returncode}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def model_and_prompt():
+    model = resolve("smollm2-135m")
+    ids = load_tokenizer(model)(TEXT)["input_ids"][:300]
+    assert len(ids) == 300
+    return str(model), ids
+
+
+def request(model: str, store: Path, steps: list[dict], method: str = "lossless") -> dict:
+    return {"model": model, "store": str(store), "method": method, "chunk_tokens": CHUNK, "steps": steps}
+
+
+@pytest.fixture(scope="module")
+def lifetimes(tmp_path_factory, model_and_prompt):
+    model, prompt = model_and_prompt
+    tmp = tmp_path_factory.mktemp("vllm-disk")
+    store = tmp / "store.toml"
+    store.write_text(f'[store]\nroot = "{tmp / "root"}"\nblock_size = {CHUNK}\n')
+    gen = {"op": "generate", "prompt": prompt, "max_tokens": 12}
+    # cold, then vLLM's own prefix cache holding the same 4 chunks (its answer at that split)
+    first = drive(tmp, "first", request(model, store, [
+        gen, {"op": "reset"}, {**gen, "prompt": prompt[: 4 * CHUNK + 1], "max_tokens": 1}, gen]))
+    second = drive(tmp, "second", request(model, store, [
+        gen,
+        {**gen, "salt": "tenant-b"},
+        {"op": "reset"},
+        {"op": "tamper", "prompt": prompt, "chunk": 1, "how": "copy_from", "source": 0},
+        gen,
+        {"op": "wait_records", "prompt": prompt, "chunks": 4},
+        {"op": "reset"},
+        {"op": "tamper", "prompt": prompt, "chunk": 2, "how": "flip"},
+        gen,
+    ]))
+    cold, _, local = [s for s in first if s["op"] == "generate"]
+    return (cold, local), [s for s in second if s["op"] == "generate"]
+
+
+def test_second_lifetime_hits_from_disk_and_answers_identically(lifetimes):
+    """Lossless records restore the very bits vLLM held: the answer equals the one vLLM gives from its
+    own prefix cache at the same split, logprob for logprob (a cold prefill of the whole prompt sums
+    in another order: same tokens, logprobs within bf16 rounding)."""
+    (cold, local), (warm, *_) = lifetimes
+    assert cold["cached"] == 0 and local["cached"] == 4 * CHUNK
+    assert warm["cached"] == 4 * CHUNK  # every whole chunk but the one holding the prompt's last token
+    assert warm["tokens"] == cold["tokens"] == local["tokens"]
+    assert warm["logprobs"] == local["logprobs"]
+
+
+def test_another_salt_never_hits(lifetimes):
+    (cold, _), (_, salted, *_) = lifetimes
+    assert salted["cached"] == 0
+    assert salted["tokens"] == cold["tokens"]
+
+
+def test_damaged_records_are_misses_and_recomputed(lifetimes):
+    (cold, _), (*_, copied, flipped) = lifetimes
+    assert copied["cached"] == 1 * CHUNK  # chunk 1 holds chunk 0's record: the hit stops before it
+    assert flipped["cached"] == 2 * CHUNK  # chunk 2's payload has a flipped byte
+    for got in (copied, flipped):
+        assert got["tokens"] == cold["tokens"]
+
+
+def test_bad_config_and_redis_killed_mid_run(tmp_path, model_and_prompt):
+    model, prompt = model_and_prompt
+    server = RedisServer().start()
+    try:
+        store = tmp_path / "store.toml"
+        store.write_text(f'[store]\nredis_url = "{server.url}"\nsecret = "{"ab" * 32}"\n'
+                         f'root = "{tmp_path / "root"}"\nblock_size = {CHUNK}\n')
+        gen = {"op": "generate", "prompt": prompt, "max_tokens": 12}
+        steps = drive(tmp_path, "redis", request(model, store, [
+            {"op": "start", "extra": {"method": "bogus4"}},
+            {"op": "start", "extra": {"store": str(tmp_path / "missing.toml")}},
+            {"op": "start", "extra": {"colour": "red"}},
+            gen,
+            {"op": "wait_records", "prompt": prompt, "chunks": 4},
+            {"op": "reset"},
+            gen,
+            {"op": "kill", "pid": server.proc.pid},
+            {"op": "reset"},
+            gen,
+            gen,
+        ]))
+    finally:
+        server.stop()
+    bogus, missing, unknown = (s["result"] for s in steps[:3])
+    assert "kvstrata connector: method 'bogus4'" in bogus and "\n" not in bogus
+    assert "kvstrata connector: store config" in missing and "missing.toml" in missing
+    assert "unknown kv_connector_extra_config keys ['colour']" in unknown
+    gens = [s for s in steps if s["op"] == "generate"]
+    assert steps[4]["result"] is True
+    # cold; from Redis; Redis gone: recomputed; then vLLM's own prefix cache (whole 32-token blocks)
+    assert [g["cached"] for g in gens] == [0, 4 * CHUNK, 0, len(prompt) // 32 * 32]
+    assert all(g["tokens"] == gens[0]["tokens"] for g in gens)
