@@ -416,3 +416,21 @@ def test_serve_soak(capsys, tmp_path):
     assert main(["serve-soak", "--model", "tiny-gemma3", "--out", str(tmp_path / "a-file" / "out")]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.integration
+def test_vllm_bench(capsys, tmp_path):
+    """`kvstrata vllm-bench` with real vLLM engines (vLLM's environment) on SmolLM2, small sizes: vLLM
+    alone and the kvstrata connector with NVFP4 records, two lifetimes each."""
+    out = tmp_path / "vllm"
+    run(capsys, f"vllm-bench --configs vllm,kvstrata-nvfp4 --clients 1 --turns 2 --context 200 "
+                f"--tool-tokens 30 --answer-tokens 4 --probe-tokens 600 --n 2 --length 400 --chunk-tokens 64 "
+                f"--out {out} --work {tmp_path / 'work'}")
+    result = json.loads((out / "vllm-bench.json").read_text())
+    alone, ours = result["rows"]["vllm"], result["rows"]["kvstrata-nvfp4"]
+    assert alone["restart_cached"] == 0 and alone["bytes_per_token"] is None
+    assert ours["restart_cached"] == 600 // 64 * 64  # every whole chunk of the probe, from the store
+    assert 0.2 < ours["bytes_per_token"] / (30 * 3 * 64 * 2 * 2) < 0.35  # NVFP4 ~ 4.5 of bf16's 16 bits
+    assert ours["later_turn_ttft_s"]["n"] == 1 and ours["restored_tokens"] > 0
+    assert "kvstrata, nvfp4" in (out / "README.md").read_text()
+    assert (tmp_path / "work" / "vllm-bench-vllm" / ".kvstrata-vllm-bench").exists()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstrata.names import TierClass
 from kvstrata.place.records import RecordError
@@ -48,6 +50,24 @@ MAX_PENDING_CHUNKS = 64  # chunks copied out and waiting to be encoded and writt
 class KvstrataMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan):
         self.plan = plan
+
+
+class KvstrataStats(KVConnectorStats):
+    """The worker's counters since the last report (vLLM's connector stats hook; summed across workers)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvstrataStats":
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def _layer_index(name: str) -> int:
@@ -84,15 +104,18 @@ class KvstrataConnector(KVConnectorBase_V1):
                                     self.settings.chunk_tokens)
         if role == KVConnectorRole.SCHEDULER:
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.planner = Planner(self.store, self.ns, self.settings.chunk_tokens)
+            self.planner = Planner(self.store, self.ns, self.settings.chunk_tokens, cache.block_size)
         else:
             self.caches: dict[int, torch.Tensor] = {}
             self.pages: PageMap | None = None
             self.failed: set[int] = set()
-            self.stats = {"loaded_chunks": 0, "load_errors": 0, "saved_chunks": 0, "write_failures": 0,
-                          "bytes_written": 0}
+            self.totals = dict.fromkeys(("loaded_chunks", "loaded_tokens", "load_errors", "saved_chunks",
+                                         "write_failures", "bytes_written"), 0)
+            self._reported = dict(self.totals)
+            self._count_lock = threading.Lock()
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-vllm-writer")
             self._room = threading.BoundedSemaphore(MAX_PENDING_CHUNKS)
+            self._pending = 0  # chunks handed to the writer and not yet written (or failed)
         log.info("kvstrata connector (%s): method %s, %d tokens per record, store %s", role.name,
                  self.codec.text, self.settings.chunk_tokens, self.settings.store.redis_url or
                  self.settings.store.root)
@@ -145,22 +168,23 @@ class KvstrataConnector(KVConnectorBase_V1):
             return
         size = plan.chunk_tokens
         for item in plan.loads:
+            end = (item.first + len(item.keys)) * size if item.stop is None else item.stop
             for j, key in enumerate(item.keys):
                 start = (item.first + j) * size
+                lo, hi = max(start, item.skip), min(start + size, end)
                 try:
                     layers = self._read(key, start, size)
                 except RecordError as exc:
                     log.warning("kvstrata: chunk %s of request %s not loaded (%s): recomputed", key[:12],
                                 item.req_id, exc)
-                    self.stats["load_errors"] += 1
-                    lo = max(start, item.skip)
-                    self.failed.update(item.blocks[lo // self.block_size:(item.first + len(item.keys)) * size
-                                                   // self.block_size])
+                    self._count(load_errors=1)
+                    self.failed.update(item.blocks[lo // self.block_size:-(-end // self.block_size)])
                     break
-                lo = max(start, item.skip)
+                where = self.pages.where(item.blocks, lo, hi - lo)
+                span = slice(lo - start, hi - start)
                 for i, (k, v) in layers.items():
-                    self.pages.scatter(self.caches[i], item.blocks, lo, k[:, lo - start:], v[:, lo - start:])
-                self.stats["loaded_chunks"] += 1
+                    self.pages.scatter(self.caches[i], where, k[:, span], v[:, span])
+                self._count(loaded_chunks=1, loaded_tokens=hi - lo)
 
     def _read(self, key: str, start: int, size: int):
         entry = self.store.entry(TierClass.GLOBAL, key, self.ns)
@@ -186,29 +210,59 @@ class KvstrataConnector(KVConnectorBase_V1):
         for item in plan.saves:
             for j, key in enumerate(item.keys):
                 start = (item.first + j) * size
-                layers = {i: self.pages.gather(c, item.blocks, start, size) for i, c in self.caches.items()}
+                where = self.pages.where(item.blocks, start, size)
+                layers = {i: self.pages.gather(c, where) for i, c in self.caches.items()}
                 self._room.acquire()
+                with self._count_lock:
+                    self._pending += 1
                 self._pool.submit(self._write, key, layers, start)
 
     def _write(self, key: str, layers: dict, start: int) -> None:
         try:
             tensors, meta = self.codec.encode(layers, start)
             if self.store.put_global(key, tensors, meta, self.ns):
-                self.stats["saved_chunks"] += 1
-                self.stats["bytes_written"] += sum(t.numel() * t.element_size() for t in tensors.values())
+                self._count(saved_chunks=1, bytes_written=sum(t.numel() * t.element_size()
+                                                              for t in tensors.values()))
             else:
-                self.stats["write_failures"] += 1
+                self._count(write_failures=1)
         except Exception:  # a failed write is a later miss, never a failed request
-            self.stats["write_failures"] += 1
+            self._count(write_failures=1)
             log.exception("kvstrata: writing chunk %s failed", key[:12])
         finally:
+            with self._count_lock:
+                self._pending -= 1
             self._room.release()
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every chunk handed to the writer is written (or failed); False on timeout."""
+        end = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < end:
+            time.sleep(0.01)
+        return not self._pending
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():
             return None
         meta = self._get_connector_metadata()
         return meta.plan if isinstance(meta, KvstrataMetadata) else None
+
+    def _count(self, **deltas: int) -> None:
+        with self._count_lock:
+            for name, value in deltas.items():
+                self.totals[name] += value
+
+    def get_kv_connector_stats(self) -> KvstrataStats | None:
+        """The counters since the last call (`totals` keeps them since the start)."""
+        if self._role != KVConnectorRole.WORKER:
+            return None
+        with self._count_lock:
+            delta = {k: v - self._reported[k] for k, v in self.totals.items()}
+            self._reported = dict(self.totals)
+        return KvstrataStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KvstrataStats:
+        return KvstrataStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self.failed = self.failed, set()
@@ -217,4 +271,4 @@ class KvstrataConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
             self._pool.shutdown(wait=True)
-            log.info("kvstrata connector: %s", self.stats)
+            log.info("kvstrata connector: %s", self.totals)

@@ -66,26 +66,29 @@ class PageMap:
         return cls(keys=_offsets(found, offsets, shape, 1.0), values=_offsets(found, offsets, shape, -1.0),
                    block_stride=cache.stride(axes[0]), block_size=block_size)
 
-    def index(self, block_ids: list[int], part: torch.Tensor, first: int, count: int) -> torch.Tensor:
-        """Flat indices `[h, count, d]` of positions [first, first + count) of a request whose blocks are
-        `block_ids` (position p lives in block `block_ids[p // block_size]`)."""
+    def where(self, block_ids: list[int], first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices `[h, count, d]` of K and of V at positions [first, first + count) of a request
+        whose blocks are `block_ids` (position p lives in block `block_ids[p // block_size]`); the
+        same for every layer of one shape, so computed once per chunk."""
         pos = torch.arange(first, first + count)
         blocks = torch.tensor(block_ids, dtype=torch.long)[pos // self.block_size]
-        return part[:, pos % self.block_size, :] + (blocks * self.block_stride)[None, :, None]
+        shift = (blocks * self.block_stride)[None, :, None]
+        at = pos % self.block_size
+        return self.keys[:, at, :] + shift, self.values[:, at, :] + shift
 
-    def gather(self, cache: torch.Tensor, block_ids: list[int], first: int, count: int):
-        """K, V `[h, count, d]` (copies) of positions [first, first + count)."""
+    @staticmethod
+    def gather(cache: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]):
+        """K, V `[h, n, d]` (copies, on the CPU) at `where`."""
         flat = cache.view(-1)
-        return tuple(flat[self.index(block_ids, p, first, count).to(cache.device)].cpu()
-                     for p in (self.keys, self.values))
+        return tuple(flat[idx.to(cache.device)].cpu() for idx in where)
 
-    def scatter(self, cache: torch.Tensor, block_ids: list[int], first: int, k: torch.Tensor,
+    @staticmethod
+    def scatter(cache: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
                 v: torch.Tensor) -> None:
-        """Write K, V `[h, n, d]` into positions [first, first + n)."""
+        """Write K, V `[h, n, d]` at `where`."""
         flat = cache.view(-1)
-        for part, x in ((self.keys, k), (self.values, v)):
-            idx = self.index(block_ids, part, first, x.shape[-2]).to(cache.device)
-            flat[idx] = x.to(device=cache.device, dtype=cache.dtype)
+        for idx, x in zip(where, (k, v)):
+            flat[idx.to(cache.device)] = x.to(device=cache.device, dtype=cache.dtype)
 
 
 def _offsets(found: list[torch.Tensor], offsets: torch.Tensor, shape: tuple[int, int, int],

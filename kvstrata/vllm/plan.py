@@ -3,10 +3,12 @@ before a step and which to save after it.
 
 A request's tokens are cut into chunks of `chunk_tokens` from its first token; chunk j's key chains
 through every token before it, the namespace and the request's `cache_salt`
-(`kvstrata.place.prefix_keys`), so a key names one exact prefix of one tenant. A lookup counts only
-chunks whose record verifies (signature, key, class, namespace) and stops at the first that does
-not; it always leaves the prompt's last token to compute. A chunk is saved once, after the step
-that computed its last token; chunks that came from the store are not saved again.
+(`kvstrata.place.prefix_keys`), so a key names one exact prefix of one tenant. A lookup verifies
+(signature, key, class, namespace) the chunks past what vLLM's own prefix cache holds and stops at
+the first that does not verify; the hit ends on a vLLM block boundary before the prompt's last token
+(which vLLM must compute), so the last chunk of a hit may load only its first blocks. A chunk is
+saved once, after the step that computed its last token; chunks that came from the store, or from
+vLLM's own cache, are not saved again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Chunks:
     first: int  # index of the first chunk listed
     keys: list[str]
     skip: int = 0  # positions before this are already in vLLM's own pages: never written over
+    stop: int | None = None  # positions from this on are not loaded (vLLM computes them)
 
 
 @dataclass
@@ -48,9 +51,9 @@ class _Request:
 
 
 class Planner:
-    def __init__(self, store: KVStore, namespace: bytes, chunk_tokens: int):
-        self.store, self.ns, self.size = store, namespace, chunk_tokens
-        self._hits: dict[str, int] = {}  # req_id -> chunks found by the last lookup
+    def __init__(self, store: KVStore, namespace: bytes, chunk_tokens: int, block_size: int):
+        self.store, self.ns, self.size, self.block = store, namespace, chunk_tokens, block_size
+        self._hits: dict[str, int] = {}  # req_id -> tokens the last lookup found
         self._reqs: dict[str, _Request] = {}
         self.stats = {"lookups": 0, "hit_chunks": 0, "loaded_tokens": 0, "saved_chunks": 0}
 
@@ -59,22 +62,25 @@ class Planner:
         return [h.hex() for h in block_hashes(ids, self.size, self.ns, tenant_salt=salt)]
 
     def matched(self, req_id: str, tokens, salt: bytes, computed: int) -> int:
-        """Tokens beyond `computed` whose KV the store holds, verified, for a request about to start."""
-        most = max(0, len(tokens) - 1) // self.size
-        look = self.store.lookup(self._keys(tokens, salt, most), self.ns, swa=False)
+        """Tokens beyond `computed` (vLLM's own hit) whose KV the store holds, verified, for a request
+        about to start."""
+        local = computed // self.size  # chunks vLLM holds whole: nothing to verify or load there
+        keys = self._keys(tokens, salt, len(tokens) // self.size)
+        look = self.store.lookup(keys[local:], self.ns, swa=False)
         self.stats["lookups"] += 1
-        self._hits[req_id] = look.global_blocks
-        return max(0, look.global_blocks * self.size - computed)
+        hit = min((local + look.global_blocks) * self.size, (len(tokens) - 1) // self.block * self.block)
+        self._hits[req_id] = hit if look.global_blocks else 0
+        return max(0, self._hits[req_id] - computed)
 
     def allocated(self, req_id: str, tokens, salt: bytes, external: int) -> None:
         """The scheduler gave the request its blocks; `external` tokens are to come from the store."""
         hit = self._hits.pop(req_id, 0)
         req = self._reqs.setdefault(req_id, _Request(tokens=tokens, salt=salt))
-        req.tokens, req.saved = tokens, max(req.saved, hit)
+        req.tokens = tokens
         if external > 0:
-            end = hit * self.size
-            req.load = (end - external, end)
-            self.stats["hit_chunks"] += hit
+            req.load = (hit - external, hit)
+            req.saved = max(req.saved, -(-hit // self.size))  # a partly loaded chunk is in the store
+            self.stats["hit_chunks"] += -(-external // self.size)
 
     def step(self, scheduled: list[tuple[str, list[int] | None, bool, int, int]]) -> StepPlan:
         """One scheduled step: per request (id, new block ids or None, whether they replace the old
@@ -89,11 +95,13 @@ class Planner:
             if req.load is not None:
                 a, b = req.load
                 first = a // self.size
-                keys = self._keys(req.tokens, req.salt, b // self.size)[first:]
-                plan.loads.append(Chunks(req_id, list(req.blocks), first, keys, skip=a))
+                keys = self._keys(req.tokens, req.salt, -(-b // self.size))[first:]
+                plan.loads.append(Chunks(req_id, list(req.blocks), first, keys, skip=a, stop=b))
                 self.stats["loaded_tokens"] += b - a
                 req.load = None
             done = min(before + count, len(req.tokens)) // self.size
+            if replace:  # a new or resumed request: chunks vLLM's own cache held are not written again
+                req.saved = max(req.saved, min(before, len(req.tokens)) // self.size)
             if done > req.saved:
                 if len(req.keys) < done:
                     req.keys = self._keys(req.tokens, req.salt, done)

@@ -1,5 +1,5 @@
 """The kvstrata connector inside a real vLLM engine (CPU backend, eager, SmolLM2-135M in bf16), run in
-vLLM's own environment (`make vllm-env`; `make test` builds it) by `engine_driver.py`.
+vLLM's own environment (`make vllm-env`; `make test` builds it) by the lab's `vllm_driver.py`.
 
 Two engine lifetimes over one disk store: the second serves the prompt's prefix from disk and
 answers as the cold engine did; another tenant's salt never hits; a record put under another
@@ -21,7 +21,7 @@ from kvstrata.models.loader import load_tokenizer, resolve
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = Path(__file__).with_name("engine_driver.py")
+DRIVER = ROOT / "lab" / "kvstrata_lab" / "serve_bench" / "vllm_driver.py"
 CHUNK = 64
 TEXT = (ROOT / "docs" / "architecture.md").read_text()[:1400]
 
@@ -54,7 +54,8 @@ def model_and_prompt():
 
 
 def request(model: str, store: Path, steps: list[dict], method: str = "lossless") -> dict:
-    return {"model": model, "store": str(store), "method": method, "chunk_tokens": CHUNK, "steps": steps}
+    extra = {"method": method, "store": str(store), "chunk_tokens": CHUNK}
+    return {"model": model, "connector": {"name": "KvstrataConnector", "extra": extra}, "steps": steps}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +78,14 @@ def lifetimes(tmp_path_factory, model_and_prompt):
         {"op": "reset"},
         {"op": "tamper", "prompt": prompt, "chunk": 2, "how": "flip"},
         gen,
+        {"op": "wait_records", "prompt": prompt, "chunks": 4},
+        {"op": "reset"},
+        {"op": "forge", "prompt": prompt, "chunk": 3},
+        gen,
+        {"op": "stats"},
     ]))
     cold, _, local = [s for s in first if s["op"] == "generate"]
-    return (cold, local), [s for s in second if s["op"] == "generate"]
+    return (cold, local), [s for s in second if s["op"] in ("generate", "stats")]
 
 
 def test_second_lifetime_hits_from_disk_and_answers_identically(lifetimes):
@@ -100,11 +106,17 @@ def test_another_salt_never_hits(lifetimes):
 
 
 def test_damaged_records_are_misses_and_recomputed(lifetimes):
-    (cold, _), (*_, copied, flipped) = lifetimes
+    (cold, _), (*_, copied, flipped, forged, stats) = lifetimes
     assert copied["cached"] == 1 * CHUNK  # chunk 1 holds chunk 0's record: the hit stops before it
     assert flipped["cached"] == 2 * CHUNK  # chunk 2's payload has a flipped byte
-    for got in (copied, flipped):
+    for got in (copied, flipped, forged):
         assert got["tokens"] == cold["tokens"]
+    # chunk 3 signed and keyed right but no chunk: it passes the lookup, fails to unpack at the load,
+    # is reported, and vLLM recomputes from its first block
+    totals = stats["totals"]
+    assert totals["load_errors"] == 1
+    assert totals["loaded_chunks"] == 4 + 1 + 2 + 3  # warm, after the copy, after the flip, the forged run
+    assert totals["loaded_tokens"] == (4 + 1 + 2 + 3) * CHUNK
 
 
 def test_bad_config_and_redis_killed_mid_run(tmp_path, model_and_prompt):
@@ -139,3 +151,25 @@ def test_bad_config_and_redis_killed_mid_run(tmp_path, model_and_prompt):
     # cold; from Redis; Redis gone: recomputed; then vLLM's own prefix cache (whole 32-token blocks)
     assert [g["cached"] for g in gens] == [0, 4 * CHUNK, 0, len(prompt) // 32 * 32]
     assert all(g["tokens"] == gens[0]["tokens"] for g in gens)
+
+
+def test_hybrid_model_restores_sliding_and_global_layers(tmp_path):
+    """Gemma-3 (sliding-window layers, a 512-token window, and global ones) on a 700-token prompt: vLLM
+    runs it without its hybrid allocator beside this connector, so every layer's pages are full
+    length and a chunk's record holds them all; the second lifetime answers as vLLM's own prefix
+    cache does at the same split, logprob for logprob."""
+    model = str(resolve("gemma3-270m"))
+    prompt = load_tokenizer(model)((ROOT / "docs" / "architecture.md").read_text()[:4000])["input_ids"][:700]
+    assert len(prompt) == 700
+    store = tmp_path / "store.toml"
+    store.write_text(f'[store]\nroot = "{tmp_path / "root"}"\nblock_size = {CHUNK}\n')
+    gen = {"op": "generate", "prompt": prompt, "max_tokens": 8}
+    first = drive(tmp_path, "first", request(model, store, [
+        gen, {"op": "reset"}, {**gen, "prompt": prompt[: 10 * CHUNK + 1], "max_tokens": 1}, gen]))
+    second = drive(tmp_path, "second", request(model, store, [gen, {"op": "stats"}]))
+    cold, _, local = [s for s in first if s["op"] == "generate"]
+    warm, stats = second
+    assert local["cached"] == warm["cached"] == 10 * CHUNK
+    assert warm["tokens"] == local["tokens"] == cold["tokens"]
+    assert warm["logprobs"] == local["logprobs"]
+    assert stats["totals"]["loaded_chunks"] == 10 and stats["totals"]["load_errors"] == 0

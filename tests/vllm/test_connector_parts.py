@@ -46,14 +46,15 @@ def test_page_map_finds_a_packed_layout_and_round_trips(order):
     assert torch.equal(cache, before)  # the probe leaves the cache as it found it
     k, v = torch.randn(H, 70, D).bfloat16(), torch.randn(H, 70, D).bfloat16()
     ids = [3, 1, 4]
-    pages.scatter(cache, ids, 10, k, v)  # positions 10..79 of a request holding blocks 3, 1, 4
-    gk, gv = pages.gather(cache, ids, 10, 70)
+    where = pages.where(ids, 10, 70)  # positions 10..79 of a request holding blocks 3, 1, 4
+    pages.scatter(cache, where, k, v)
+    gk, gv = pages.gather(cache, where)
     assert torch.equal(gk, k) and torch.equal(gv, v)
     # what the engine's own writer puts at those slots is what the map reads back
     ref = torch.zeros_like(cache)
     slots = torch.tensor([ids[p // BS] * BS + p % BS for p in range(10, 80)])
     packed_writer(order)(k.transpose(0, 1), v.transpose(0, 1), ref, slots)
-    assert torch.equal(torch.stack(pages.gather(ref, ids, 10, 70)), torch.stack([k, v]))
+    assert torch.equal(torch.stack(pages.gather(ref, where)), torch.stack([k, v]))
     assert torch.equal(cache[0], before[0]) and torch.equal(cache[2], before[2])  # other blocks untouched
 
 
@@ -109,7 +110,7 @@ def test_plan_saves_each_chunk_once_and_loads_what_verified(tmp_path):
     kv = store(tmp_path)
     ns = bytes(32)
     codec = ChunkCodec.build("nvfp4", ["full", "full"], H, D, torch.bfloat16)
-    plan = Planner(kv, ns, chunk_tokens=64)
+    plan = Planner(kv, ns, chunk_tokens=64, block_size=32)
     tokens = list(range(1000, 1200))  # 3 whole chunks + 8 tokens
     assert plan.matched("a", tokens, b"", 0) == 0
     plan.allocated("a", tokens, b"", 0)
@@ -124,11 +125,13 @@ def test_plan_saves_each_chunk_once_and_loads_what_verified(tmp_path):
     # a new request with the same prefix: 3 chunks verified, the last token left to compute
     assert plan.matched("b", tokens, b"", 32) == 3 * 64 - 32
     assert plan.matched("c", tokens, b"tenant", 0) == 0  # another salt: other keys
-    assert plan.matched("d", tokens[:192], b"", 0) == 2 * 64  # the prompt's last token stays to compute
+    # the prompt's last token stays to compute: the last chunk loads its first block only
+    assert plan.matched("d", tokens[:192], b"", 0) == 5 * 32
     plan.allocated("b", tokens, b"", 3 * 64 - 32)
     step = plan.step([("b", list(range(10, 17)), True, 192, 8)])
     (load,) = step.loads
-    assert (load.first, load.skip, load.keys) == (0, 32, first.saves[0].keys + second.saves[0].keys)
+    assert (load.first, load.skip, load.stop) == (0, 32, 192)
+    assert load.keys == first.saves[0].keys + second.saves[0].keys
     assert step.saves == []  # chunks that came from the store are not written again
     key = second.saves[0].keys[0]
     path = tmp_path / "root" / f"{key}.kv"
@@ -137,6 +140,12 @@ def test_plan_saves_each_chunk_once_and_loads_what_verified(tmp_path):
     path.write_bytes(bytes(data))
     assert plan.matched("e", tokens, b"", 0) == 64  # a damaged record ends the hit (and is removed)
     assert kv.global_tier.stats.corrupt == 1 and not path.exists()
+    # chunks vLLM's own cache holds are neither verified nor loaded: the hit goes on past them
+    kv.put_global(key, *codec.encode(layers(seed=1), 64), ns)
+    first_path = tmp_path / "root" / f"{first.saves[0].keys[0]}.kv"
+    first_path.write_bytes(b"not a record")
+    assert plan.matched("f", tokens, b"", 64) == 3 * 64 - 64
+    assert first_path.exists()  # never read
 
 
 def test_settings_say_what_is_wrong(tmp_path):

@@ -4,9 +4,19 @@ check, and the evidence commands behind docs/results. Each module registers its 
 
 from __future__ import annotations
 
-from kvstrata_lab.cli import bench, evidence, passkey, serve_batch, serve_bench, soak, sparse_recall, tune
+from kvstrata_lab.cli import (
+    bench,
+    evidence,
+    passkey,
+    serve_batch,
+    serve_bench,
+    soak,
+    sparse_recall,
+    tune,
+    vllm_bench,
+)
 
-MODULES = (passkey, bench, tune, evidence, sparse_recall, serve_bench, serve_batch, soak)
+MODULES = (passkey, bench, tune, evidence, sparse_recall, serve_bench, serve_batch, soak, vllm_bench)
 
 
 def register(sub) -> None:

@@ -62,3 +62,42 @@ class BatchBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.streams or min(self.streams) < 1 or not self.methods:
             raise ValueError("streams must be counts >= 1 and methods non-empty")
+
+
+#: `kvstrata vllm-bench`'s rows: vLLM alone (its own prefix cache), vLLM's example connector (raw
+#: tensors on disk), and the kvstrata connector with lossless, NVFP4 and `spec` records
+VLLM_CONFIGS = ("vllm", "example", "kvstrata-lossless", "kvstrata-nvfp4", "kvstrata-spec")
+
+
+@dataclass(frozen=True)
+class VllmBenchConfig:
+    model: str = "smollm2-135m"
+    configs: tuple[str, ...] = VLLM_CONFIGS
+    clients: int = 2  # agent conversations, played turn by turn
+    turns: int = 6
+    context: int = 1024  # tokens of each conversation's document
+    tool_tokens: int = 200
+    answer_tokens: int = 16
+    probe_tokens: int = 4096  # the prompt timed after an engine restart
+    tasks: tuple[str, ...] = ("single", "multikey")
+    n: int = 10  # retrieval instances per task
+    length: int = 2048  # tokens of each retrieval instance
+    chunk_tokens: int = 256  # kvstrata records
+    #: the `kvstrata-spec` row's records: SmolLM2's NVFP4-bytes spec from the quality-per-byte work
+    spec: str = "int4:keys=channel,group=96,r=0,v=nvfp4,fit=lsq,sink=4,rot=hadamard"
+    seed: int = 0
+    out: str = "docs/results/vllm"
+    work: str = ""  # stores and engine requests (default: a temporary directory, removed after)
+
+    def __post_init__(self):
+        unknown = set(self.configs) - set(VLLM_CONFIGS)
+        if unknown or not self.configs:
+            raise ValueError(f"configs must be among {', '.join(VLLM_CONFIGS)}, got "
+                             f"{', '.join(self.configs)}")
+        for name in ("clients", "turns", "context", "answer_tokens", "probe_tokens", "n", "length",
+                     "chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_tokens % 32:
+            raise ValueError(f"chunk_tokens must be a multiple of vLLM's block size 32, got "
+                             f"{self.chunk_tokens}")
