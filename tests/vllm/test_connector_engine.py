@@ -18,6 +18,7 @@ import pytest
 from redis_helpers import RedisServer
 
 from kvstrata.models.loader import load_tokenizer, resolve
+from kvstrata_lab.serve_bench.vllm_bench import engine_env
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +37,8 @@ def vllm_python() -> Path:
 def drive(tmp: Path, name: str, request: dict) -> list[dict]:
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(request))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     proc = subprocess.run([str(vllm_python()), str(DRIVER), str(path)], capture_output=True, text=True,
-                          timeout=900, env=env)
+                          timeout=900, env=engine_env())
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-6000:])
         pytest.fail(f"the vLLM engine driver exited with {proc.returncode}")

@@ -39,9 +39,9 @@ def place(
         )
     tried: dict[int, int] = {}
 
-    def attempt(budget: int) -> tuple[str, list[float]] | None:
+    def attempt(budget: int, shift: int = 0) -> tuple[str, list[float]] | None:
         pieces = haystack(kind, tokenizer, budget, seed)
-        cuts = [round(f * len(pieces)) for f in sorted(fractions)]
+        cuts = [min(len(pieces), max(0, round(f * len(pieces)) + shift)) for f in sorted(fractions)]
         out, last = [head], 0
         for cut, needle in zip(cuts, needles):
             out += pieces[last:cut] + [needle]
@@ -57,9 +57,16 @@ def place(
         if found := attempt(budget):
             return found
         budget += n_tokens - tried[budget]
-    for b in sorted(range(budget - 8, budget + 9), key=lambda b: abs(b - budget)):
+    near = sorted(range(budget - 8, budget + 9), key=lambda b: abs(b - budget))
+    for b in near:
         if b >= 0 and b not in tried and (found := attempt(b)):
             return found
+    # some lengths no budget reaches (a joint merges tokens whichever piece ends there): move the
+    # needles one piece over, so other joints form (only instances the above cannot place)
+    for shift in (1, -1, 2, -2):
+        for b in near:
+            if b >= 0 and (found := attempt(b, shift)):
+                return found
     closest = min(tried.values(), key=lambda g: abs(g - n_tokens))
     raise TextShortfall(
         f"{kind} context", n_tokens, closest, "no haystack length makes the joined context exact"

@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvstrata.models.loader import load_tokenizer, resolve
+from kvstrata.place.config import ENV_PREFIX
 from kvstrata_lab.bench.paired import paired_delta
 from kvstrata_lab.bench.tasks import make_instance, score_answer
 from kvstrata_lab.serve_bench.agents import Scripts
@@ -63,9 +64,16 @@ def connector(name: str, work: Path, cfg: VllmBenchConfig) -> dict | None:
     return {"name": "KvstrataConnector", "extra": extra}
 
 
+def engine_env() -> dict[str, str]:
+    """The engines' environment: offline, in-process, and without `KVSTRATA_STORE_*` (they would
+    override the store files the bench writes for each row)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    return {**env, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TQDM_DISABLE": "1"}
+
+
 def drive(request: dict, path: Path) -> list[dict]:
     path.write_text(json.dumps(request))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TQDM_DISABLE="1")
+    env = engine_env()
     proc = subprocess.run(
         [str(vllm_python()), str(DRIVER), str(path)], capture_output=True, text=True, env=env
     )
