@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from kvstrata.place.config import StoreConfig
@@ -58,13 +59,21 @@ class Settings:
 
 
 def files_fingerprint(model_dir: str | Path) -> str:
-    """The model as an engine loads it: its config and a digest of its weight files' bytes."""
+    """The model as an engine loads it: its config and a digest of its weight files' bytes (hashed once
+    per process while the files keep their size and modification time: the scheduler and the worker
+    side of one engine both ask)."""
     root = Path(model_dir)
+    files = (root / "config.json", *sorted(root.glob("*.safetensors")))
+    return _fingerprint(root, tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@lru_cache(maxsize=8)
+def _fingerprint(root: Path, files: tuple) -> str:
     config = json.loads((root / "config.json").read_text())
     h = hashlib.sha256()
-    for f in sorted(root.glob("*.safetensors")):
-        h.update(f.name.encode() + b"\0")
-        with f.open("rb") as fh:
+    for name, _, _ in files[1:]:
+        h.update(name.encode() + b"\0")
+        with (root / name).open("rb") as fh:
             while block := fh.read(1 << 24):
                 h.update(block)
     return model_fingerprint(config, h.hexdigest())

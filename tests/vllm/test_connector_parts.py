@@ -1,6 +1,8 @@
 """The connector's vLLM-free parts, in our own environment: page maps over packed layouts, chunk
 records, the scheduler-side plan and the config checks."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from kvstrata.place.store import KVStore
 from kvstrata.vllm.chunks import ChunkCodec
 from kvstrata.vllm.pages import LayoutError, PageMap
 from kvstrata.vllm.plan import Planner
-from kvstrata.vllm.settings import ConfigError, Settings
+from kvstrata.vllm.settings import ConfigError, Settings, records_namespace
 
 BS, H, D = 32, 3, 64
 
@@ -157,3 +159,17 @@ def test_settings_say_what_is_wrong(tmp_path):
                          ({"store": str(tmp_path / "nope.toml")}, "store config")]:
         with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
             Settings.parse(extra, 32)
+
+
+def test_the_namespace_follows_the_model_files(tmp_path):
+    """Another weight byte, another config, another method or chunk size: another namespace."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(64))
+    first = records_namespace(tmp_path, "nvfp4", "bfloat16", 256)
+    assert records_namespace(str(tmp_path), "nvfp4", "bfloat16", 256) == first
+    assert records_namespace(tmp_path, "fp8", "bfloat16", 256) != first
+    assert records_namespace(tmp_path, "nvfp4", "bfloat16", 512) != first
+    weights.write_bytes(bytes(63) + b"\x01")
+    os.utime(weights, ns=(1, 1))  # whatever the clock: a rewritten file is hashed again
+    assert records_namespace(tmp_path, "nvfp4", "bfloat16", 256) != first
