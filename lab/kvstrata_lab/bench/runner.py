@@ -6,35 +6,23 @@ from __future__ import annotations
 import json
 import platform
 import time
-import uuid
 from pathlib import Path
 
 import torch
 import transformers
 from tqdm import tqdm
 
-from kvstrata.hf.run import bf16_bytes_per_token
 from kvstrata.methods import parse_method
 from kvstrata.models import load
 from kvstrata.read.kernels import cpu
 from kvstrata_lab.bench import protocol
+from kvstrata_lab.bench.cells import answered, cell_base, costed, failed
 from kvstrata_lab.bench.config import DEFAULT_METHODS, QUICK, STOCK, BenchConfig  # noqa: F401 (the runner's settings)
-from kvstrata_lab.bench.needles import selection_cause
 from kvstrata_lab.bench.peers import is_peer, parse_peer, qcache
+from kvstrata_lab.bench.peers.llamacpp import run_llamacpp
 from kvstrata_lab.bench.peers.worker_client import run_kvpress
 from kvstrata_lab.bench.rows import done_keys
-from kvstrata_lab.bench.tasks import (
-    FAMILY_TASKS,
-    FIDELITY,
-    KNOWN,
-    LOOKALIKE,
-    REASONING,
-    RETRIEVAL,
-    check_fed,
-    make_instance,
-    score_answer,
-    tag_failure,
-)
+from kvstrata_lab.bench.tasks import FIDELITY, KNOWN, make_instance
 
 
 # Eviction budgets match the quantizers' bytes per token: fp8 ~0.53, nvfp4/mxfp4 ~0.28, int2 ~0.19 of bf16.
@@ -66,6 +54,7 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     specs = {m: parse_method(m) for m in cfg.methods if m not in STOCK}
     in_process = [*cfg.methods, *(p for p in cfg.peers if peers[p].project == "qcache")]
     workers = [p for p in cfg.peers if peers[p].project == "kvpress"]
+    llama = [p for p in cfg.peers if peers[p].project == "llamacpp"]
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / "results.jsonl"
     done = done_keys(path)
@@ -91,6 +80,8 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     bar.close()
     if workers:
         run_kvpress(cfg, cells, workers, done, path)
+    if llama:
+        run_llamacpp(cfg, cells, llama, done, path)
     return path
 
 
@@ -144,67 +135,6 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
         rows.append(costed(row, pre.tokens))
     del pre
     return rows
-
-
-ROW_META = ("hops", "text_family", "source", "question_phrasing", "lookalike")  # what a row keeps of meta
-
-
-def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float | None) -> dict:
-    """The fields every method's row of one (model, length, task, instance) cell shares; `tokens` is
-    the context as fed, refused (ValueError) unless it fits the nominal `length` (`check_fed`).
-    `run` names this run of the cell: only rows of the same run are timed against each other."""
-    check_fed(inst, length, tokens)
-    task = inst.task
-    return {
-        "model": model_name, "length": length, "task": task, "index": inst.index, "context_tokens": tokens,
-        "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
-        "prefill_s": prefill_s, "run": uuid.uuid4().hex[:12],
-        "kind": ("retrieval" if task in (*RETRIEVAL, *LOOKALIKE, *FAMILY_TASKS)
-                 else "reasoning" if task in REASONING else "fidelity"),
-        "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
-        **{k: v for k, v in inst.meta.items() if k in ROW_META},
-    }
-
-
-def answered(row: dict, inst, answers: list[dict]) -> dict:
-    """Score the answers to an instance's questions (main first, then probes) into `row`."""
-    scores = [score_answer(a["output"], q.answers) for a, q in zip(answers, inst.questions)]
-    main = answers[0]
-    row.update(
-        {
-            k: main[k]
-            for k in (
-                "kv_bytes", "compress_s", "question_s", "decode_s_per_token", "bytes_read_per_step",
-                "dense_bytes_read_per_step", "kv_bytes_in_memory", "head_modes", "head_mode_map",
-            )
-            if k in main
-        }
-    )
-    row.update(
-        output=main["output"], expected=list(inst.questions[0].answers), score=scores[0],
-        probe_scores=scores[1:], failure=tag_failure(scores[0], scores[1:], inst.task),
-    )
-    if "needle_selected" in main:  # a top-k read: did its selections hold the needle?
-        row["needle_selected"] = main["needle_selected"]
-        row["failure_cause"] = selection_cause(
-            row["failure"], main["output"], inst.questions[0].answers, main["needle_selected"]
-        )
-    return row
-
-
-def failed(row: dict, exc: BaseException) -> dict:
-    """A peer's failure on this cell: how it failed, in place of scores."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    row.update(error=f"{type(exc).__name__}: {message}"[:400], score=None, failure=None)
-    return row
-
-
-def costed(row: dict, tokens: int) -> dict:
-    """Per-token bytes, compression against bf16 and peak memory, once `kv_bytes` is in `row`."""
-    row["kv_bytes_per_token"] = row["kv_bytes"] / tokens
-    row["compression"] = row["bf16_bytes_per_token"] / row["kv_bytes_per_token"]
-    row["peak_rss_mb"] = protocol.peak_rss_mb()
-    return row
 
 
 def _write_meta(cfg: BenchConfig) -> None:

@@ -82,7 +82,8 @@ def report_section(given: ReportInput) -> str:
 
 HEADLINE = (
     "dynamic", "bf16", "fp8", "int4:r=32", "nvfp4", "mxfp4", "int2:r=32", "streaming:keep=0.28",
-    "snapkv:keep=0.28", "qcache:quanto:int4", "qcache:hqq:int4",
+    "snapkv:keep=0.28", "qcache:quanto:int4", "qcache:hqq:int4", "llamacpp:f16", "llamacpp:q8_0",
+    "llamacpp:q4_0",
 )
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from kvstrata.cli.inputs import BIG, SEED, field_default, float_in, int_in, nonempty
-from kvstrata_lab.serve_bench.config import ServeBenchConfig
+from kvstrata_lab.serve_bench.config import SERVE_PEERS, ServeBenchConfig
 
 DAY_S = 86400.0
 
@@ -17,7 +17,8 @@ def register(sub) -> None:
 
     b = sub.add_parser(
         "serve-bench",
-        help="load + fault harness: N openai clients, multi-turn agent sessions, store on vs off",
+        help="load + fault harness: N openai clients, multi-turn agent sessions, store on vs off (and a peer "
+             "server)",
     )
     b.add_argument("--model", default=default("model"), type=nonempty)
     b.add_argument("--method", default=default("method"), type=nonempty)
@@ -42,6 +43,9 @@ def register(sub) -> None:
                    help="answers re-asked of the store-off server and compared")
     b.add_argument("--block-size", type=int_in(1, 1 << 16), default=default("block_size"))
     b.add_argument("--seed", type=SEED, default=default("seed"))
+    b.add_argument("--peer", choices=SERVE_PEERS[1:], default=None,
+                   help="also run the same workload against llama.cpp's llama-server (built once, ~5 min: "
+                        "`make llamacpp`) or `vllm serve` (vLLM's environment: `make vllm-env`)")
     b.add_argument("--out", default=default("out"), type=nonempty)
     b.set_defaults(func=run)
 
@@ -56,7 +60,7 @@ def run(args) -> int:
         conversations=args.conversations, context=args.context, tool_tokens=args.tool_tokens,
         max_tokens=args.max_tokens, duration_s=args.duration, probe_tokens=args.probe_tokens,
         probe_swa_ttl_s=args.probe_swa_ttl, check=args.check, block_size=args.block_size, seed=args.seed,
-        out=args.out,
+        out=args.out, peer=args.peer or "",
     )
     result = bench(cfg)
     print(json.dumps(result["summary"], indent=1))

@@ -22,6 +22,7 @@ from pathlib import Path
 from kvstrata.models import check_method, load_config, load_tokenizer
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.config import ServeBenchConfig
+from kvstrata_lab.serve_bench.peers import check_peer, peer_server, store_bytes
 from kvstrata_lab.serve_bench.process import ServerProcess
 from kvstrata_lab.serve_bench.report import summarize, write_outputs
 
@@ -49,12 +50,15 @@ def _stream(oa, model: str, max_tokens: int, messages: list | None = None, promp
             last = chunk
     except openai.APIError as e:
         return {"error": f"{type(e).__name__}: {str(e)[:200]}", "latency_s": time.perf_counter() - t0}
-    kv = getattr(last, "kvstrata", None) or {}
+    kv = getattr(last, "kvstrata", None) or {}  # our server's own fields (a peer has none)
     u = last.usage
+    details = u.prompt_tokens_details
+    cached = (details.cached_tokens or 0) if details else 0
     return {
         "error": None, "ttft_s": first, "latency_s": time.perf_counter() - t0, "text": "".join(pieces),
-        "kind": kv.get("kind"), "server_ttft_s": kv.get("ttft_s"), "queue_s": kv.get("queue_s"),
-        "prompt_tokens": u.prompt_tokens, "cached_tokens": u.prompt_tokens_details.cached_tokens,
+        # a peer says no kind: a prompt it reused a prefix of counts as its hit
+        "kind": kv.get("kind") or ("hit" if cached else "miss"), "server_ttft_s": kv.get("ttft_s"),
+        "queue_s": kv.get("queue_s"), "prompt_tokens": u.prompt_tokens, "cached_tokens": cached,
         "completion_tokens": u.completion_tokens,
     }
 
@@ -186,12 +190,17 @@ def _check(cfg: ServeBenchConfig, load: _Load, server: ServerProcess) -> dict:
 TURN_OVERHEAD = 128  # tokens a turn adds beyond its tool text and answer (question, role markers), generously
 
 
+def conversation_tokens(cfg: ServeBenchConfig) -> int:
+    """About the tokens a conversation grows to (every turn at its generous overhead)."""
+    return cfg.context + (cfg.turns // 2) * cfg.tool_tokens + cfg.turns * (cfg.max_tokens + TURN_OVERHEAD)
+
+
 def check_fits(cfg: ServeBenchConfig) -> None:
     """Refuse, before any server starts, conversations or a probe that would outgrow the model's context."""
 
     text = load_config(cfg.model).get_text_config()
     limit = int(getattr(text, "max_position_embeddings", 0) or 0) or 1 << 62
-    longest = cfg.context + (cfg.turns // 2) * cfg.tool_tokens + cfg.turns * (cfg.max_tokens + TURN_OVERHEAD)
+    longest = conversation_tokens(cfg)
     if longest > limit:
         raise ValueError(
             f"--context {cfg.context:,} + --turns {cfg.turns} x (--max-tokens {cfg.max_tokens:,} + "
@@ -210,6 +219,8 @@ def run(cfg: ServeBenchConfig) -> dict:
 
     check_method(cfg.model, cfg.method, store=True)  # refused here, not by the first server's exit
     check_fits(cfg)
+    if cfg.peer:
+        check_peer(cfg.peer, cfg.model)  # a missing build or environment: refused before any phase runs
     tok = load_tokenizer(cfg.model)
     scripts = Scripts(tok, cfg.context, cfg.turns, cfg.tool_tokens, cfg.seed)
     chat = bool(getattr(tok, "chat_template", None))
@@ -225,7 +236,21 @@ def run(cfg: ServeBenchConfig) -> dict:
                 wall = load.run(server)
                 if name == "no_store" and cfg.check:
                     result["check"] = _check(cfg, phases["store"]["load"], server)
+                if name == "store":
+                    server.wait_written()
+                    result["store_bytes"] = store_bytes(root / name, cfg.block_size)
             phases[name] = {"load": load, "wall_s": wall}
+        if cfg.peer:
+            load = _Load(cfg, scripts, chat)
+            peer = peer_server(cfg.peer, cfg.model, cfg.clients, conversation_tokens(cfg) + 512, root)
+            try:
+                with peer as server:
+                    phases["peer"] = {"load": load, "wall_s": load.run(server)}
+                    result["peer"] = {"name": cfg.peer, "describe": peer.describe,
+                                      "persist": server.persist()}
+            except RuntimeError as exc:  # the peer cannot serve this model: a result, reported
+                result["peer"] = {"name": cfg.peer, "describe": peer.describe,
+                                  "error": str(exc).splitlines()[0]}
         result["phases"] = {
             n: {
                 "wall_s": p["wall_s"],

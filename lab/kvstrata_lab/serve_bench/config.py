@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: `serve-bench --peer`: the other servers the same workload runs against ("" for none)
+SERVE_PEERS = ("", "llama-server", "vllm")
+
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
@@ -24,6 +27,7 @@ class ServeBenchConfig:
     block_size: int = 256
     seed: int = 0
     out: str = "docs/results/serve"
+    peer: str = ""  # "llama-server" or "vllm": the same workload against that server too
 
     def __post_init__(self):
         for name in ("clients", "turns", "conversations", "context", "max_tokens", "block_size"):
@@ -31,6 +35,8 @@ class ServeBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.duration_s <= 0 or self.probe_swa_ttl_s <= 0 or self.probe_tokens < 0 or self.check < 0:
             raise ValueError("duration_s and probe_swa_ttl_s must be > 0, probe_tokens and check >= 0")
+        if self.peer not in SERVE_PEERS:
+            raise ValueError(f"unknown serve-bench peer {self.peer!r} (known: {', '.join(SERVE_PEERS[1:])})")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ def phase_summary(records: list[dict], wall_s: float) -> dict:
         "hit_rate_later_turns": sum(r["kind"] == "hit" for r in later) / len(later) if later else None,
         "reuse_rate_later_turns": sum(r["kind"] != "miss" for r in later) / len(later) if later else None,
         "cached_token_share": sum(r["cached_tokens"] for r in ok) / prompt if prompt else None,
-        "overhead_ms_p50": _pct([(r["ttft_s"] - r["server_ttft_s"]) * 1e3 for r in ok], 0.5),
+        "overhead_ms_p50": _pct([(r["ttft_s"] - r["server_ttft_s"]) * 1e3 for r in ok
+                                 if r["server_ttft_s"] is not None], 0.5),
     }
 
 
@@ -69,6 +70,12 @@ def summarize(result: dict) -> dict:
     }
     if "check" in result:
         out["check"] = {k: result["check"][k] for k in ("checked", "differ")}
+    if "store_bytes" in result:
+        out["store_bytes"] = result["store_bytes"]
+    if "peer" in phases:
+        out["peer"] = peer_summary(result, on, phases["peer"])
+    elif "peer" in result:
+        out["peer"] = {k: result["peer"][k] for k in ("name", "describe", "error")}
     p = out.get("probe", {})
     out["targets"] = {
         "probe warm TTFT <= 5% of cold": _le(p.get("warm_vs_cold"), 0.05),
@@ -78,7 +85,27 @@ def summarize(result: dict) -> dict:
         "0 answers differ from uncached greedy (sample)": out.get("check", {}).get("differ") == 0,
         "later-turn TTFT p99 <= 20% of store-off": _le(out["ratios"]["ttft_p99_later_turns"], 0.20),
     }
+    if "peer" in out and "error" not in out["peer"]:
+        peer = out["peer"]
+        out["targets"][f"later-turn TTFT p50 <= {peer['name']}'s"] = _le(peer["ttft_p50_later_turns"], 1.0)
+        if peer.get("bytes_per_token_vs_ours") is not None:
+            out["targets"][f"bytes kept per cached token <= 1/3 of {peer['name']}'s slot files"] = _le(
+                1 / peer["bytes_per_token_vs_ours"], 1 / 3)
     return out
+
+
+def peer_summary(result: dict, ours: dict, peer: dict) -> dict:
+    """The peer's phase beside our store-on phase: ratios ours ÷ peer (below 1: ours is faster / smaller)."""
+    theirs = result["peer"]["persist"].get("bytes_per_token")
+    mine = (result.get("store_bytes") or {}).get("bytes_per_token")
+    return {
+        "name": result["peer"]["name"], "describe": result["peer"]["describe"],
+        "persist": result["peer"]["persist"],
+        "ttft_p50_later_turns": _ratio(ours["ttft_later_turns_s"]["p50"], peer["ttft_later_turns_s"]["p50"]),
+        "ttft_p99_later_turns": _ratio(ours["ttft_later_turns_s"]["p99"], peer["ttft_later_turns_s"]["p99"]),
+        "requests_per_s": _ratio(ours["requests_per_s"], peer["requests_per_s"]),
+        "bytes_per_token_vs_ours": _ratio(theirs, mine),
+    }
 
 
 def _le(x, bound):
@@ -115,6 +142,22 @@ def markdown(s: dict) -> str:
     if "check" in s:
         lines.append(f"Answers re-asked of the store-off server: {s['check']['checked']} checked, "
                      f"{s['check']['differ']} differ.")
+    if "store_bytes" in s:
+        b = s["store_bytes"]
+        lines.append(f"The store's records on disk: {b['records']} records, {_fmt(b['bytes_per_token'])} B "
+                     "per token they hold.")
+    if "peer" in s and "error" in s["peer"]:
+        lines.append(f"Peer `{s['peer']['name']}` ({s['peer']['describe']}) could not serve this model: "
+                     f"{s['peer']['error']}")
+    elif "peer" in s:
+        p = s["peer"]
+        lines.append(f"Peer `{p['name']}` ({p['describe']}), ours (store on) ÷ the peer's: later-turn TTFT "
+                     f"p50 ×{_fmt(p['ttft_p50_later_turns'])}, p99 ×{_fmt(p['ttft_p99_later_turns'])}; "
+                     f"throughput ×{_fmt(p['requests_per_s'])}.")
+        if p["persist"].get("bytes_per_token"):
+            lines.append(f"Its slot files: {p['persist']['tokens']} tokens in {p['persist']['bytes']:,} B, "
+                         f"{_fmt(p['persist']['bytes_per_token'])} B per token "
+                         f"({_fmt(p['bytes_per_token_vs_ours'])}× our records').")
     lines += ["", "| target | met |", "| --- | --- |"]
     lines += [f"| {k} | {'–' if v is None else 'yes' if v else '**no**'} |" for k, v in s["targets"].items()]
     return "\n".join(lines) + "\n"
@@ -128,11 +171,14 @@ def plot(result: dict, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator  # optional dependency (the bench extra)
 
     fig, (by_turn, by_kind) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style in (("store", "o-"), ("no_store", "s--")):
+    labels = {"store": "store on", "no_store": "store off", "peer": result.get("peer", {}).get("name")}
+    for name, style in (("store", "o-"), ("no_store", "s--"), ("peer", "^:")):
+        if name not in result["phases"]:
+            continue
         recs = [r for r in result["phases"][name]["records"] if not r["error"]]
         turns = sorted({r["turn"] for r in recs})
         by_turn.plot(turns, [_pct([r["ttft_s"] for r in recs if r["turn"] == t], 0.5) for t in turns], style,
-                     label=f"store {'on' if name == 'store' else 'off'} (median)")
+                     label=f"{labels[name]} (median)")
     by_turn.set(yscale="log", xlabel="turn", ylabel="TTFT (s), client side", title="TTFT per turn")
     by_turn.xaxis.set_major_locator(MaxNLocator(integer=True))
     by_turn.legend()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from kvstrata_lab.bench.paired import paired_delta
+from kvstrata_lab.bench.peers import own_reference
 from kvstrata_lab.bench.results import ReportInput
 from kvstrata_lab.bench.tasks import FIDELITY
 
@@ -133,7 +134,8 @@ def report_section(given: ReportInput) -> str:
         "## Peers, same instances\n",
         "Rows of family `peer` are other projects' implementations run on the exact task instances above "
         "(same seeds, tokenizer and context ids), with bytes counted from the tensors their caches hold "
-        "(float tensors at 16 bits, as our `bf16` reference stores them). Versions: "
+        "(float tensors at 16 bits, as our `bf16` reference stores them; llama.cpp's at its KV types' block "
+        "layout). Versions: "
         f"{'; '.join(versions)}.\n",
         masked(peer_rows),
         "Who is ahead per task at matched bytes: the best method of each side inside a bytes tier, both "
@@ -142,6 +144,7 @@ def report_section(given: ReportInput) -> str:
         "says so. Each side's best is picked on these same instances, which favours the side with more rows "
         "in the tier (usually ours).\n",
         head_to_head(summary, rows),
+        own_reference.report_section(summary, rows),
     ]
     fails = failures(peer_rows)
     if fails:

@@ -22,9 +22,9 @@ from transformers.utils import logging as hf_logging
 from kvstrata.hf.run import forward
 from kvstrata.models import load
 from kvstrata_lab.bench import protocol
+from kvstrata_lab.bench.cells import answered, cell_base, costed, failed
 from kvstrata_lab.bench.peers import PRESSES, PeerSpec, parse_peer
 from kvstrata_lab.bench.peers.held import held_bytes
-from kvstrata_lab.bench.runner import answered, cell_base, costed, failed
 from kvstrata_lab.bench.tasks import FIDELITY, make_instance
 
 

@@ -1,6 +1,6 @@
 """The peers' own virtual environment: kvpress pins transformers < 5.3, which ours is not.
 
-Created on first use (`kvstrata peers setup` or `kvstrata bench --peers kvpress:…`) under
+Created on first use (`kvstrata bench --peers kvpress:…`) under
 `$KVSTRATA_PEERS_VENV` (default `~/.cache/kvstrata/peers-venv`): the same torch as ours, kvpress
 and its transformers, and this checkout's kvstrata and kvstrata-lab sources installed editable
 without dependencies so the worker runs exactly the benchmark code of the caller.
