@@ -111,7 +111,7 @@ def test_per_layer_assignments():
 
 # --- rendering: every parsed spec renders back to text that parses equal ---------------------------
 ROOT = Path(__file__).resolve().parents[1]
-NOT_SPECS = ("dynamic", "static", "kvpress:", "qcache:")  # stock rows and peers, not kvstrata specs
+NOT_SPECS = ("dynamic", "static", "kvpress:", "qcache:", "llamacpp:")  # stock rows and peers: not specs
 
 
 def committed_specs() -> set[str]:
