@@ -221,7 +221,6 @@ def greedy(
     pos = None if position is None else torch.arange(position, position + q_ids.shape[1])[None]
     new: list[int] = []
     read: list[float] = []
-    eos = tokenizer.eos_token_id
     t0 = time.perf_counter()
     logits = forward(model, q_ids, cache, position_ids=pos)
     question_s = time.perf_counter() - t0
@@ -229,7 +228,7 @@ def greedy(
     for _ in range(question.max_new_tokens):
         nxt = int(logits[0, -1].argmax())
         new.append(nxt)
-        if nxt == eos or _answer_ended(tokenizer.decode(new, skip_special_tokens=True)):
+        if answer_done(tokenizer, new):
             break
         read.append(held())
         pos = None if pos is None else pos[:, -1:] + 1
@@ -246,6 +245,12 @@ def greedy(
 def _sparse_bytes(state, cache, dense_read: float) -> float:
     sparse, dense_full = state.per_step()
     return sparse + max(0.0, dense_read - dense_full)
+
+
+def answer_done(tokenizer, new: list[int]) -> bool:
+    """Whether greedy decoding stops after the tokens `new`: EOS, or the answer text ended (every
+    engine's answer is cut by this one rule)."""
+    return new[-1] == tokenizer.eos_token_id or _answer_ended(tokenizer.decode(new, skip_special_tokens=True))
 
 
 def _answer_ended(text: str) -> bool:

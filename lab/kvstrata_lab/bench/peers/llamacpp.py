@@ -50,7 +50,7 @@ def answer(tok, ids: list[int], question, server: LlamaServer) -> dict:
     new: list[int] = []
     for t in res["tokens"]:
         new.append(t)
-        if t == tok.eos_token_id or protocol._answer_ended(tok.decode(new, skip_special_tokens=True)):
+        if protocol.answer_done(tok, new):
             break
     tm = res["timings"]
     return {"output": tok.decode(new, skip_special_tokens=True), "question_s": tm["prompt_ms"] / 1e3,
