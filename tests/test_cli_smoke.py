@@ -432,5 +432,6 @@ def test_vllm_bench(capsys, tmp_path):
     assert ours["restart_cached"] == 600 // 64 * 64  # every whole chunk of the probe, from the store
     assert 0.2 < ours["bytes_per_token"] / (30 * 3 * 64 * 2 * 2) < 0.35  # NVFP4 ~ 4.5 of bf16's 16 bits
     assert ours["later_turn_ttft_s"]["n"] == 1 and ours["restored_tokens"] > 0
+    assert ours["pooled_layers"] == [] and ours["pool_bytes_per_token"] == 0  # no sliding layers: none pooled
     assert "kvstrata, nvfp4" in (out / "README.md").read_text()
     assert (tmp_path / "work" / "vllm-bench-vllm" / ".kvstrata-vllm-bench").exists()

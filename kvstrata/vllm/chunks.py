@@ -59,19 +59,21 @@ class ChunkCodec:
         return render(self.spec)
 
     def encode(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor]], start: int) -> tuple[dict, dict]:
-        """Per layer K, V `[kv_heads, n, head_dim]` of positions [start, start + n) -> record tensors
-        and string metadata."""
+        """Per layer K, V `[kv_heads, n, head_dim]` of positions [start, start + n) (any of the model's
+        layers) -> record tensors and string metadata."""
         held, n = {}, None
         for i, (k, v) in layers.items():
             n = k.shape[-2]
             held[i] = _held(self.recipes[i], k.unsqueeze(0).to(AT_REST), v.unsqueeze(0).to(AT_REST), start)
         return pack(held, tokens=n)
 
-    def decode(self, tensors: dict, meta: dict, start: int,
-               tokens: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """A record of positions [start, start + tokens) -> per layer K, V `[kv_heads, tokens, head_dim]`
-        in the engine's dtype; raises `RecordError` for anything that is not exactly such a record."""
-        held = unpack(self.recipes, tensors, meta, kv_heads=self.kv_heads, head_dim=self.head_dim,
+    def decode(self, tensors: dict, meta: dict, start: int, tokens: int,
+               layers: tuple[int, ...] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A record of positions [start, start + tokens) holding exactly `layers` (default: all) -> per
+        layer K, V `[kv_heads, tokens, head_dim]` in the engine's dtype; raises `RecordError` for
+        anything that is not exactly such a record."""
+        recipes = self.recipes if layers is None else {i: self.recipes[i] for i in layers}
+        held = unpack(recipes, tensors, meta, kv_heads=self.kv_heads, head_dim=self.head_dim,
                       dtype=AT_REST, start=start, tokens=tokens)
         return {i: _dense(self.recipes[i], h, self.dtype) for i, h in held.items()}
 

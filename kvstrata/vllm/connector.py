@@ -5,17 +5,20 @@
       "kv_connector_extra_config": {"method": "nvfp4", "store": "store.toml"}}'
 
 Scheduler side: a new request's chunk chain is looked up in the store (records verified, tensors
-not parsed) and only the verified prefix is reported as matched (`plan.Planner`). Worker side:
-before a forward, matched chunks are decoded into vLLM's pages (`pages.PageMap`: the backend's own
-layout, probed at start); after it, each newly completed chunk is copied out of the pages at once
-and encoded and written on a thread of its own (bounded), off the forward path. A record that fails
-to load at the worker (gone, damaged, not this key's) is reported through
-`get_block_ids_with_load_errors`, and vLLM recomputes from its first block: the connector sets the
-engine's `kv_load_failure_policy` to "recompute" for that. Never a wrong KV, never a crash.
+not parsed) and only the verified prefix is reported as matched (`plan.Planner`); the request waits
+for its load (vLLM's asynchronous load: one engine step). Worker side: matched chunks are decoded
+into the request's pages (`pages.PageMap`: the backend's own layout, probed at start); after each
+forward, every newly completed chunk is copied out of the pages at once and encoded and written on a
+thread of its own (bounded), off the forward path. A record that fails to load at the worker (gone,
+damaged, not this key's) fails the request's load (`failed_recving`) and vLLM recomputes it: the
+connector sets the engine's `kv_load_failure_policy` to "recompute" for that. Never a wrong KV, never
+a crash.
 
-Every attention layer's KV of a chunk goes into one global-class record. A model with sliding-window
-layers runs here without vLLM's hybrid allocator (this connector does not declare `SupportsHMA`), so
-its sliding layers hold full-length pages and a hit restores them exactly.
+Hybrid models (`SupportsHMA`): with vLLM's hybrid allocator, full-attention groups' layers of a chunk
+go into a global-class record (the persistent tier, days) and sliding-window groups' layers into an
+SWA-class record in the store's pool (minutes), saved as each chunk completes -- while the window
+still holds it. A hit needs both (`plan`). With the allocator off (`--disable-hybrid-kv-cache-manager`)
+every layer is full length and goes into the global record.
 """
 
 from __future__ import annotations
@@ -34,16 +37,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from kvstrata.names import TierClass
 from kvstrata.place.records import RecordError
-from kvstrata.place.store import KVStore
 from kvstrata.vllm.chunks import ChunkCodec
 from kvstrata.vllm.pages import LayoutError, PageMap
-from kvstrata.vllm.plan import Planner, StepPlan
-from kvstrata.vllm.settings import ConfigError, Settings, records_namespace
+from kvstrata.vllm.plan import NULL_BLOCK, Chunks, Groups, Planner, StepPlan
+from kvstrata.vllm.settings import ConfigError, Settings, records_namespace, shared_store
 
 log = logging.getLogger("kvstrata.vllm")
 MAX_PENDING_CHUNKS = 64  # chunks copied out and waiting to be encoded and written (back-pressure beyond)
@@ -92,7 +97,25 @@ def _layer_index(name: str) -> int:
     return int(found[-1])
 
 
-class KvstrataConnector(KVConnectorBase_V1):
+def _groups(kv_cache_config, n_layers: int) -> Groups:
+    """The engine's KV-cache groups by model layer index; full-attention and sliding-window groups only."""
+    if kv_cache_config is None:
+        return Groups.single(n_layers)
+    layers, windows = [], []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(spec.sliding_window)
+        elif isinstance(spec, FullAttentionSpec):
+            windows.append(None)
+        else:
+            raise ConfigError(f"kvstrata connector: KV-cache group of {type(spec).__name__} layers "
+                              f"({group.layer_names[:2]}...): only full and sliding-window attention")
+        layers.append(tuple(_layer_index(name) for name in group.layer_names))
+    return Groups(layers=tuple(layers), windows=tuple(windows))
+
+
+class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cache = vllm_config.cache_config
@@ -114,52 +137,67 @@ class KvstrataConnector(KVConnectorBase_V1):
                                           self.head_dim, self.dtype)
         except ValueError as exc:
             raise ConfigError(f"kvstrata connector: method {self.settings.method!r}: {exc}") from None
-        self.store = KVStore.from_config(self.settings.store)
+        self.groups = _groups(self._kv_cache_config, n_layers)
+        windows = [w for w in self.groups.windows if w is not None]
+        if windows and self.settings.chunk_tokens > min(windows):
+            raise ConfigError(f"kvstrata connector: chunk_tokens {self.settings.chunk_tokens} exceeds the "
+                              f"sliding window ({min(windows)} tokens): a chunk's window KV would be freed "
+                              "before it completes")
+        self.group_of = {i: g for g, layers in enumerate(self.groups.layers) for i in layers}
+        # one store per process: the scheduler's lookups see the SWA pool the worker writes
+        self.store = shared_store(self.settings.store)
         self.ns = records_namespace(model.model, self.codec.text, str(self.dtype).removeprefix("torch."),
-                                    self.settings.chunk_tokens)
+                                    self.settings.chunk_tokens, self.groups.pooled)
         if role == KVConnectorRole.SCHEDULER:
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            self.planner = Planner(self.store, self.ns, self.settings.chunk_tokens, cache.block_size)
+            self.planner = Planner(self.store, self.ns, self.settings.chunk_tokens, cache.block_size,
+                                   self.groups)
         else:
             self.caches: dict[int, torch.Tensor] = {}
             self.pages: PageMap | None = None
-            self.failed: set[int] = set()
+            self.loaded: set[str] = set()  # requests whose load ended (well or not) since the last report
+            self.failed: set[str] = set()  # ... of them, those whose load failed: vLLM recomputes them
             self.totals = dict.fromkeys(("loaded_chunks", "loaded_tokens", "load_errors", "saved_chunks",
-                                         "write_failures", "bytes_written"), 0)
+                                         "write_failures", "bytes_written", "pool_chunks", "pool_bytes",
+                                         "pool_loaded"), 0)
             self._reported = dict(self.totals)
             self._count_lock = threading.Lock()
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-vllm-writer",
                                             initializer=_one_openmp_thread)
             self._room = threading.BoundedSemaphore(MAX_PENDING_CHUNKS)
             self._pending = 0  # chunks handed to the writer and not yet written (or failed)
-        log.info("kvstrata connector (%s): method %s, %d tokens per record, store %s", role.name,
-                 self.codec.text, self.settings.chunk_tokens, self.settings.store.redis_url or
-                 self.settings.store.root)
+        log.info("kvstrata connector (%s): method %s, %d tokens per record, store %s, layers %s persistent, "
+                 "%s in the SWA pool", role.name, self.codec.text, self.settings.chunk_tokens,
+                 self.settings.store.redis_url or self.settings.store.root, list(self.groups.persistent),
+                 list(self.groups.pooled))
 
     # --- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         salt = (request.cache_salt or "").encode()
         n = self.planner.matched(request.request_id, request.all_token_ids, salt, num_computed_tokens)
-        return n, False
+        return n, n > 0  # loaded while the request waits: a failed load is then the request's alone
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         salt = (request.cache_salt or "").encode()
-        self.planner.allocated(request.request_id, request.all_token_ids, salt, num_external_tokens)
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
+        self.planner.allocated(request.request_id, request.all_token_ids, salt, num_external_tokens, ids)
 
     def build_connector_meta(self, scheduler_output) -> KvstrataMetadata:
         counts = scheduler_output.num_scheduled_tokens
-        steps = [(r.req_id, r.block_ids[0], True, r.num_computed_tokens, counts.get(r.req_id, 0))
+        steps = [(r.req_id, r.block_ids, True, r.num_computed_tokens, counts.get(r.req_id, 0))
                  for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            new = cached.new_block_ids[i]
-            steps.append((req_id, None if new is None else new[0], req_id in cached.resumed_req_ids,
+            steps.append((req_id, cached.new_block_ids[i], req_id in cached.resumed_req_ids,
                           cached.num_computed_tokens[i], counts.get(req_id, 0)))
         return KvstrataMetadata(self.planner.step(steps))
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self.planner.finished(request.request_id)
         return False, None
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids)  # chunks were copied out as they completed
 
     # --- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -186,35 +224,61 @@ class KvstrataConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is None:
             return
-        size = plan.chunk_tokens
         for item in plan.loads:
-            end = (item.first + len(item.keys)) * size if item.stop is None else item.stop
-            for j, key in enumerate(item.keys):
-                start = (item.first + j) * size
-                lo, hi = max(start, item.skip), min(start + size, end)
-                try:
-                    layers = self._read(key, start, size)
-                except RecordError as exc:
-                    log.warning("kvstrata: chunk %s of request %s not loaded (%s): recomputed", key[:12],
-                                item.req_id, exc)
-                    self._count(load_errors=1)
-                    self.failed.update(item.blocks[lo // self.block_size:-(-end // self.block_size)])
-                    break
-                where = self.pages.where(item.blocks, lo, hi - lo)
-                span = slice(lo - start, hi - start)
-                for i, (k, v) in layers.items():
-                    self.pages.scatter(self.caches[i], where, k[:, span], v[:, span])
-                self._count(loaded_chunks=1, loaded_tokens=hi - lo)
+            try:
+                self._load(item, plan.chunk_tokens)
+            except RecordError as exc:
+                log.warning("kvstrata: request %s's load stopped (%s): recomputed", item.req_id, exc)
+                self._count(load_errors=1)
+                self.failed.add(item.req_id)
+            self.loaded.add(item.req_id)
 
-    def _read(self, key: str, start: int, size: int):
-        entry = self.store.entry(TierClass.GLOBAL, key, self.ns)
+    def _load(self, item: Chunks, size: int) -> None:
+        """Decode a request's hit chunks into its pages: every layer from `skip` to `stop`, a sliding
+        group's only where it still holds blocks; raises `RecordError` at the first chunk that fails."""
+        kinds = [(TierClass.GLOBAL, self.groups.persistent), (TierClass.SWA, self.groups.pooled)]
+        for j, key in enumerate(item.keys):
+            start = (item.first + j) * size
+            lo, hi = max(start, item.skip), min(start + size, item.stop)
+            for klass, layers in kinds:
+                spans = {g: (max(lo, self.groups.kept_from(g, item.stop, self.block_size)), hi)
+                         for g in {self.group_of[i] for i in layers}}
+                if not layers or all(a >= b for a, b in spans.values()):
+                    continue
+                decoded = self._read(klass, key, start, size, layers)
+                where = {g: self._where(item.blocks[g], a, b) for g, (a, b) in spans.items() if a < b}
+                for i, (k, v) in decoded.items():
+                    g = self.group_of[i]
+                    if g in where:
+                        a, b = spans[g]
+                        self.pages.scatter(self.caches[i], where[g], k[:, a - start:b - start],
+                                           v[:, a - start:b - start])
+                if klass is TierClass.SWA:
+                    self._count(pool_loaded=1)
+            self._count(loaded_chunks=1, loaded_tokens=hi - lo)
+
+    def _where(self, blocks: list[int], first: int, end: int):
+        """Flat offsets of positions [first, end) in a group's pages; `RecordError` if the group does not
+        hold them all (nothing is written where vLLM keeps no block)."""
+        if any(b == NULL_BLOCK for b in blocks[first // self.block_size: -(-end // self.block_size)]):
+            raise RecordError(f"positions {first}..{end} are not all held by the request's blocks")
+        return self.pages.where(blocks, first, end - first)
+
+    def _read(self, klass: TierClass, key: str, start: int, size: int, layers: tuple[int, ...]):
+        entry = self.store.entry(klass, key, self.ns)
         if entry is None:
-            raise RecordError("no verified record")
+            raise RecordError(f"no verified {klass.value} record")
         try:
-            return self.codec.decode(*entry.open(), start=start, tokens=size)
+            return self.codec.decode(*entry.open(), start=start, tokens=size, layers=layers)
         except RecordError:
             entry.reject()
             raise
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Requests whose load ended this step (a failed one also in `failed_recving`: recomputed)."""
+        done, failed = self.loaded, self.failed
+        self.loaded, self.failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -230,28 +294,46 @@ class KvstrataConnector(KVConnectorBase_V1):
         for item in plan.saves:
             for j, key in enumerate(item.keys):
                 start = (item.first + j) * size
-                where = self.pages.where(item.blocks, start, size)
-                layers = {i: self.pages.gather(c, where) for i, c in self.caches.items()}
+                parts = {klass: self._gather(item.blocks, layers, start, start + size)
+                         for klass, layers in ((TierClass.GLOBAL, self.groups.persistent),
+                                               (TierClass.SWA, self.groups.pooled)) if layers}
                 self._room.acquire()
                 with self._count_lock:
                     self._pending += 1
-                self._pool.submit(self._write, key, layers, start)
+                self._pool.submit(self._write, key, parts, start)
 
-    def _write(self, key: str, layers: dict, start: int) -> None:
+    def _gather(self, blocks: tuple[list[int], ...], layers: tuple[int, ...], first: int, end: int):
+        """Copies of `layers`' K, V at positions [first, end), or None where a group no longer holds them."""
         try:
-            tensors, meta = self.codec.encode(layers, start)
-            if self.store.put_global(key, tensors, meta, self.ns):
-                self._count(saved_chunks=1, bytes_written=sum(t.numel() * t.element_size()
-                                                              for t in tensors.values()))
-            else:
-                self._count(write_failures=1)
-        except Exception:  # a failed write is a later miss, never a failed request
-            self._count(write_failures=1)
-            log.exception("kvstrata: writing chunk %s failed", key[:12])
+            where = {g: self._where(blocks[g], first, end) for g in {self.group_of[i] for i in layers}}
+        except RecordError:
+            return None
+        return {i: self.pages.gather(self.caches[i], where[self.group_of[i]]) for i in layers}
+
+    def _write(self, key: str, parts: dict, start: int) -> None:
+        try:
+            for klass, layers in parts.items():
+                self._write_part(key, klass, layers, start)
         finally:
             with self._count_lock:
                 self._pending -= 1
             self._room.release()
+
+    def _write_part(self, key: str, klass: TierClass, layers: dict | None, start: int) -> None:
+        pooled = klass is TierClass.SWA
+        try:
+            if layers is None:
+                raise RecordError("the window no longer holds the chunk")
+            tensors, meta = self.codec.encode(layers, start)
+            put = self.store.put_swa if pooled else self.store.put_global
+            if not put(key, tensors, meta, self.ns):
+                raise RecordError("the tier refused it (full)")
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._count(**({"pool_chunks": 1, "pool_bytes": nbytes} if pooled else
+                           {"saved_chunks": 1, "bytes_written": nbytes}))
+        except Exception:  # a failed write is a later miss, never a failed request
+            self._count(write_failures=1)
+            log.exception("kvstrata: writing chunk %s (%s) failed", key[:12], klass.value)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every chunk handed to the writer is written (or failed); False on timeout."""
@@ -285,8 +367,7 @@ class KvstrataConnector(KVConnectorBase_V1):
         return KvstrataStats(data=dict(data or {}))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self.failed = self.failed, set()
-        return failed
+        return set()  # loads are asynchronous: a failed one is the request's (`get_transfer_results`)
 
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:

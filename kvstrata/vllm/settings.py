@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.prefix_keys import model_fingerprint, namespace
+from kvstrata.place.store import KVStore
 
 #: extra-config key -> what it sets
 KEYS = {
@@ -25,6 +27,20 @@ KEYS = {
 }
 #: what vLLM's layout adds to the namespace: records of this connector are never read as our own server's
 LAYOUT = "vllm-chunks-1"
+
+
+_STORES: dict[StoreConfig, KVStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def shared_store(cfg: StoreConfig) -> KVStore:
+    """One store per configuration and process: an engine's scheduler and worker (one process unless
+    the executor runs several) share it, so lookups see the SWA pool the worker writes (the pool is
+    the process's memory: an engine restart empties it, by design)."""
+    with _STORES_LOCK:
+        if cfg not in _STORES:
+            _STORES[cfg] = KVStore.from_config(cfg)
+        return _STORES[cfg]
 
 
 class ConfigError(ValueError):
@@ -79,7 +95,10 @@ def _fingerprint(root: Path, files: tuple) -> str:
     return model_fingerprint(config, h.hexdigest())
 
 
-def records_namespace(model_dir: str | Path, method_text: str, dtype: str, chunk_tokens: int) -> bytes:
-    """Namespace of this engine's records: model files, canonical method, engine dtype, chunk layout."""
-    return namespace(files_fingerprint(model_dir), method_text, dtype,
-                     layout_version=f"{LAYOUT}/{chunk_tokens}")
+def records_namespace(model_dir: str | Path, method_text: str, dtype: str, chunk_tokens: int,
+                      pooled: tuple[int, ...] = ()) -> bytes:
+    """Namespace of this engine's records: model files, canonical method, engine dtype, chunk layout and
+    which layers go to the SWA pool (`pooled`: vLLM's hybrid allocator on), so a record holding every
+    layer and one holding the full-attention layers alone are never read as each other."""
+    layout = f"{LAYOUT}/{chunk_tokens}" + (f"/pooled:{','.join(map(str, pooled))}" if pooled else "")
+    return namespace(files_fingerprint(model_dir), method_text, dtype, layout_version=layout)

@@ -111,12 +111,15 @@ def test_damaged_records_are_misses_and_recomputed(lifetimes):
     assert flipped["cached"] == 2 * CHUNK  # chunk 2's payload has a flipped byte
     for got in (copied, flipped, forged):
         assert got["tokens"] == cold["tokens"]
-    # chunk 3 signed and keyed right but no chunk: it passes the lookup, fails to unpack at the load,
-    # is reported, and vLLM recomputes from its first block
+    # chunk 3 signed and keyed right but no chunk: it passes the lookup, fails to unpack at the load
+    # (and is removed); the request's load is reported failed, vLLM schedules it again, and the new
+    # lookup hits the 3 chunks before it
     totals = stats["totals"]
     assert totals["load_errors"] == 1
-    assert totals["loaded_chunks"] == 4 + 1 + 2 + 3  # warm, after the copy, after the flip, the forged run
-    assert totals["loaded_tokens"] == (4 + 1 + 2 + 3) * CHUNK
+    # warm, after the copy, after the flip, the forged run (3 before the failure, 3 on the retry)
+    assert totals["loaded_chunks"] == 4 + 1 + 2 + 3 + 3
+    assert totals["loaded_tokens"] == (4 + 1 + 2 + 3 + 3) * CHUNK
+    assert forged["cached"] == 3 * CHUNK
 
 
 def test_bad_config_and_redis_killed_mid_run(tmp_path, model_and_prompt):
@@ -153,11 +156,12 @@ def test_bad_config_and_redis_killed_mid_run(tmp_path, model_and_prompt):
     assert all(g["tokens"] == gens[0]["tokens"] for g in gens)
 
 
-def test_hybrid_model_restores_sliding_and_global_layers(tmp_path):
-    """Gemma-3 (sliding-window layers, a 512-token window, and global ones) on a 700-token prompt: vLLM
-    runs it without its hybrid allocator beside this connector, so every layer's pages are full
-    length and a chunk's record holds them all; the second lifetime answers as vLLM's own prefix
-    cache does at the same split, logprob for logprob."""
+def test_hybrid_model_keeps_sliding_layers_in_the_pool(tmp_path):
+    """Gemma-3 (sliding-window layers with a 512-token window, and global ones) on a 700-token prompt,
+    vLLM's hybrid allocator on: the global layers' chunks go to disk, the sliding layers' to the store's
+    SWA pool. Within the engine's life a hit restores both, logprob for logprob what vLLM's own prefix
+    cache gives at the same split; after a restart the pool is empty and vLLM replays no window for
+    these layers, so there is no hit: recomputed, the same answer."""
     model = str(resolve("gemma3-270m"))
     prompt = load_tokenizer(model)((ROOT / "docs" / "architecture.md").read_text()[:4000])["input_ids"][:700]
     assert len(prompt) == 700
@@ -165,11 +169,23 @@ def test_hybrid_model_restores_sliding_and_global_layers(tmp_path):
     store.write_text(f'[store]\nroot = "{tmp_path / "root"}"\nblock_size = {CHUNK}\n')
     gen = {"op": "generate", "prompt": prompt, "max_tokens": 8}
     first = drive(tmp_path, "first", request(model, store, [
-        gen, {"op": "reset"}, {**gen, "prompt": prompt[: 10 * CHUNK + 1], "max_tokens": 1}, gen]))
+        gen, {"op": "reset"}, {**gen, "prompt": prompt[: 10 * CHUNK + 1], "max_tokens": 1}, gen,
+        {"op": "reset"}, gen, {"op": "stats"}]))
     second = drive(tmp_path, "second", request(model, store, [gen, {"op": "stats"}]))
-    cold, _, local = [s for s in first if s["op"] == "generate"]
-    warm, stats = second
-    assert local["cached"] == warm["cached"] == 10 * CHUNK
-    assert warm["tokens"] == local["tokens"] == cold["tokens"]
-    assert warm["logprobs"] == local["logprobs"]
-    assert stats["totals"]["loaded_chunks"] == 10 and stats["totals"]["load_errors"] == 0
+    cold, split, local, warm = [s for s in first if s["op"] == "generate"]
+    stats = first[-1]
+    layers = json.loads((Path(model) / "config.json").read_text())["layer_types"]
+    assert stats["layers"]["persistent"] == [i for i, t in enumerate(layers) if t == "full_attention"]
+    assert stats["layers"]["pooled"] == [i for i, t in enumerate(layers) if t == "sliding_attention"]
+    assert split["cached"] == local["cached"] == warm["cached"] == 10 * CHUNK
+    # the very bits vLLM's own prefix cache gives at this split (a whole-prompt prefill sums in another
+    # order: on Gemma-3 in bf16 its 7th token already differs, for vLLM's own cache as for the store)
+    assert warm["tokens"] == local["tokens"] and warm["logprobs"] == local["logprobs"]
+    totals = stats["totals"]
+    # 11 chunks of the cold run's prompt and answer, then chunk 10 again by each later request computing it
+    assert totals["saved_chunks"] == totals["pool_chunks"] == 11 + 1 + 1 and totals["write_failures"] == 0
+    # 10 chunks loaded twice; the pool's records only where the window at the hit (640) keeps blocks: 128..640
+    assert totals["loaded_chunks"] == 20 and totals["pool_loaded"] == 2 * 8 and totals["load_errors"] == 0
+    restarted, restarted_stats = second
+    assert restarted["cached"] == 0 and restarted["tokens"] == cold["tokens"]
+    assert restarted_stats["totals"]["loaded_chunks"] == 0

@@ -12,7 +12,7 @@ from kvstrata.place.records import RecordError
 from kvstrata.place.store import KVStore
 from kvstrata.vllm.chunks import ChunkCodec
 from kvstrata.vllm.pages import LayoutError, PageMap
-from kvstrata.vllm.plan import Planner
+from kvstrata.vllm.plan import Groups, Planner
 from kvstrata.vllm.settings import ConfigError, Settings, records_namespace
 
 BS, H, D = 32, 3, 64
@@ -116,7 +116,7 @@ def test_plan_saves_each_chunk_once_and_loads_what_verified(tmp_path):
     tokens = list(range(1000, 1200))  # 3 whole chunks + 8 tokens
     assert plan.matched("a", tokens, b"", 0) == 0
     plan.allocated("a", tokens, b"", 0)
-    first = plan.step([("a", list(range(7)), True, 0, 100)])  # a prefill chunk of 100 tokens
+    first = plan.step([("a", (list(range(7)),), True, 0, 100)])  # a prefill chunk of 100 tokens
     assert not first.loads and [(s.first, len(s.keys)) for s in first.saves] == [(0, 1)]
     second = plan.step([("a", None, False, 100, 100)])
     assert [(s.first, len(s.keys)) for s in second.saves] == [(1, 2)]
@@ -129,12 +129,12 @@ def test_plan_saves_each_chunk_once_and_loads_what_verified(tmp_path):
     assert plan.matched("c", tokens, b"tenant", 0) == 0  # another salt: other keys
     # the prompt's last token stays to compute: the last chunk loads its first block only
     assert plan.matched("d", tokens[:192], b"", 0) == 5 * 32
-    plan.allocated("b", tokens, b"", 3 * 64 - 32)
-    step = plan.step([("b", list(range(10, 17)), True, 192, 8)])
-    (load,) = step.loads
-    assert (load.first, load.skip, load.stop) == (0, 32, 192)
+    plan.allocated("b", tokens, b"", 3 * 64 - 32, (list(range(10, 17)),))
+    (load,) = plan.step([]).loads  # loaded while the request waits, before it is scheduled
+    assert (load.first, load.skip, load.stop, load.blocks) == (0, 32, 192, (list(range(10, 17)),))
     assert load.keys == first.saves[0].keys + second.saves[0].keys
-    assert step.saves == []  # chunks that came from the store are not written again
+    step = plan.step([("b", (list(range(10, 17)),), True, 192, 8)])
+    assert step.loads == [] and step.saves == []  # chunks that came from the store are not written again
     key = second.saves[0].keys[0]
     path = tmp_path / "root" / f"{key}.kv"
     data = bytearray(path.read_bytes())
@@ -148,6 +148,39 @@ def test_plan_saves_each_chunk_once_and_loads_what_verified(tmp_path):
     first_path.write_bytes(b"not a record")
     assert plan.matched("f", tokens, b"", 64) == 3 * 64 - 64
     assert first_path.exists()  # never read
+
+
+def test_hybrid_hits_reach_only_as_far_as_the_pool_holds_the_window(tmp_path):
+    """Layers 0, 2 full attention, 1, 3 a 100-token window: a hit at h needs every chunk's global record
+    below h and the pool's records of the chunks the window before h touches; vLLM replays no window
+    for these layers, so a hit stops where the pool's records stop."""
+    kv = store(tmp_path)
+    ns = bytes(32)
+    groups = Groups(layers=((0, 2), (1, 3)), windows=(None, 100))
+    assert groups.persistent == (0, 2) and groups.pooled == (1, 3)
+    assert groups.kept_from(1, 320, 32) == 192 and groups.kept_from(0, 320, 32) == 0
+    codec = ChunkCodec.build("nvfp4", ["full", "sliding", "full", "sliding"], H, D, torch.bfloat16)
+    plan = Planner(kv, ns, chunk_tokens=64, block_size=32, groups=groups)
+    tokens = list(range(2000, 2400))  # 6 whole chunks + 16 tokens
+    plan.matched("a", tokens, b"", 0)
+    plan.allocated("a", tokens, b"", 0)
+    (save,) = plan.step([("a", ([1] * 13, [2] * 13), True, 0, 400)]).saves
+    assert (save.first, len(save.keys), save.blocks) == (0, 6, ([1] * 13, [2] * 13))
+    part = {0: layers(seed=0)[0], 2: layers(seed=1)[0]}
+    for j, key in enumerate(save.keys):
+        kv.put_global(key, *codec.encode(part, j * 64), ns)
+    # global records alone: no hit (the window's sliding KV is nowhere)
+    assert plan.matched("b", tokens, b"", 0) == 0 and plan.stats["short_of_window"] == 6
+    window = {1: layers(seed=2)[0], 3: layers(seed=3)[0]}
+    for j in (2, 3, 4):
+        kv.put_swa(save.keys[j], *codec.encode(window, j * 64), ns)
+    # a hit at 320 needs positions 192..320 (chunks 3, 4); at 384 also chunk 5, which the pool lacks
+    assert plan.matched("c", tokens, b"", 0) == 320
+    plan.allocated("c", tokens, b"", 320, ([5] * 11, [0] * 6 + [6] * 5))
+    (load,) = plan.step([]).loads
+    assert (load.first, len(load.keys), load.skip, load.stop) == (0, 5, 0, 320)
+    kv.swa_tier.clear()  # the pool's minutes are over: the hit goes
+    assert plan.matched("d", tokens, b"", 0) == 0
 
 
 def test_settings_say_what_is_wrong(tmp_path):
@@ -170,6 +203,7 @@ def test_the_namespace_follows_the_model_files(tmp_path):
     assert records_namespace(str(tmp_path), "nvfp4", "bfloat16", 256) == first
     assert records_namespace(tmp_path, "fp8", "bfloat16", 256) != first
     assert records_namespace(tmp_path, "nvfp4", "bfloat16", 512) != first
+    assert records_namespace(tmp_path, "nvfp4", "bfloat16", 256, pooled=(0, 1)) != first  # hybrid allocator
     weights.write_bytes(bytes(63) + b"\x01")
     os.utime(weights, ns=(1, 1))  # whatever the clock: a rewritten file is hashed again
     assert records_namespace(tmp_path, "nvfp4", "bfloat16", 256) != first

@@ -43,6 +43,9 @@ def register(sub) -> None:
     s.add_argument("--n", type=int_in(1, 1000), default=default("n"), help="retrieval instances per task")
     s.add_argument("--length", type=int_in(64, BIG), default=default("length"))
     s.add_argument("--chunk-tokens", type=int_in(32, 1 << 16), default=default("chunk_tokens"))
+    s.add_argument("--hybrid-allocator", choices=("on", "off"),
+                   default="on" if default("hybrid_allocator") else "off",
+                   help="vLLM's hybrid KV-cache allocator (sliding-window layers hold their window only)")
     s.add_argument("--spec", type=nonempty, default=default("spec"), help="the kvstrata-spec row's spec")
     s.add_argument("--seed", type=SEED, default=default("seed"))
     s.add_argument("--out", default=default("out"), type=nonempty)
@@ -65,6 +68,7 @@ def run(args) -> int:
         model=args.model, configs=args.configs, clients=args.clients, turns=args.turns, context=args.context,
         tool_tokens=args.tool_tokens, answer_tokens=args.answer_tokens, probe_tokens=args.probe_tokens,
         tasks=args.tasks, n=args.n, length=args.length, chunk_tokens=args.chunk_tokens, spec=args.spec,
+        hybrid_allocator=args.hybrid_allocator == "on",
         seed=args.seed, out=args.out, work=args.work)
     result = bench(cfg, command="kvstrata " + shlex.join(sys.argv[1:]))
     print(json.dumps({k: {m: v for m, v in r.items() if m not in ("scores", "answers", "turn_answers")}

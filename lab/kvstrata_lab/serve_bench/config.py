@@ -89,6 +89,9 @@ class VllmBenchConfig:
     n: int = 10  # retrieval instances per task
     length: int = 2048  # tokens of each retrieval instance
     chunk_tokens: int = 256  # kvstrata records
+    #: vLLM's hybrid KV-cache allocator (sliding-window layers hold their window only; the kvstrata
+    #: connector keeps their chunks in the store's SWA pool); off: every layer full length, all persistent
+    hybrid_allocator: bool = True
     #: the `kvstrata-spec` row's records: SmolLM2's NVFP4-bytes spec from the quality-per-byte work
     spec: str = "int4:keys=channel,group=96,r=0,v=nvfp4,fit=lsq,sink=4,rot=hadamard"
     seed: int = 0

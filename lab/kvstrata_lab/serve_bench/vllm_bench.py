@@ -118,6 +118,7 @@ def lifetimes(name: str, cfg: VllmBenchConfig, load: dict, work: Path) -> dict:
     engine = {
         "max_model_len": max(cfg.probe_tokens, cfg.length) + 2 * BLOCK + 64,
         "kv_cache_memory_bytes": 768 << 20,
+        "disable_hybrid_kv_cache_manager": not cfg.hybrid_allocator,
     }
     store = {"op": "disk", "path": str(work / "store")}
     probe = {"op": "generate", "prompt": load["probe"], "max_tokens": 1}
@@ -132,6 +133,8 @@ def lifetimes(name: str, cfg: VllmBenchConfig, load: dict, work: Path) -> dict:
     first += [
         {"op": "generate", "prompt": it["prompt"], "max_tokens": 1, "tag": "store"} for it in load["items"]
     ]
+    if conn and conn["name"] == "KvstrataConnector":
+        first.append({"op": "stats", "tag": "stored"})  # what went to the SWA pool (memory, not disk)
     second = [{**store, "tag": "all"}, warm, {**probe, "tag": "restart"}]
     second += [
         {"op": "generate", "prompt": it["prompt"], "max_tokens": it["max_tokens"], "tag": "ask"}
@@ -149,6 +152,7 @@ def summarize_row(raw: dict, load: dict, cfg: VllmBenchConfig, name: str) -> dic
     turns = [t for s in one if s["op"] == "conversation" for t in s["turns"][1:]]
     ttfts = sorted(t["ttft"] for t in turns)
     disk = next(s for s in one if s["op"] == "disk")
+    pooled = next((s for s in one if s["op"] == "stats"), None)
     n = len(load["probe"])
     stored = {"vllm": 0, "example": (n - 2) // BLOCK * BLOCK}.get(
         name, n // cfg.chunk_tokens * cfg.chunk_tokens
@@ -167,6 +171,8 @@ def summarize_row(raw: dict, load: dict, cfg: VllmBenchConfig, name: str) -> dic
         "restart_cached": restart["cached"],
         "probe_tokens": n,
         "bytes_per_token": disk["bytes"] / stored if stored else None,
+        "pool_bytes_per_token": pooled["totals"]["pool_bytes"] / stored if pooled and stored else None,
+        "pooled_layers": pooled["layers"]["pooled"] if pooled else [],
         "store_bytes": next(s for s in two if s["op"] == "disk")["bytes"],
         "retrieval": sum(scores.values()) / len(scores),
         "scores": {f"{t}#{i}": v for (t, i), v in scores.items()},

@@ -17,7 +17,8 @@ Request: {"model": dir, "engine": {...LLM keyword overrides}, "connector": null 
   record of chunk j on disk (one payload byte flipped, or chunk i's record put under j's name)
 - {"op": "forge", "prompt", "salt", "chunk": j}: a record signed with the store's secret under chunk j's
   key and namespace that is no chunk (it passes the lookup, fails the load)
-- {"op": "stats"}: the kvstrata connector's counters since the engine started
+- {"op": "stats"}: the kvstrata connector's counters since the engine started (writes landed first) and
+  which layers its records keep persistently / in the SWA pool
 - {"op": "kill", "pid": n}: SIGKILL a process (the Redis server under the store)
 - {"op": "start", "extra": {...}}: only construct an engine with the connector's extra config changed;
   -> the error it raised (its first line) or "started"
@@ -61,7 +62,9 @@ def engine(req: dict, extra: dict | None = None) -> LLM:
 
 
 def namespace(req: dict) -> bytes:
-    """The kvstrata connector's records namespace for this engine."""
+    """The kvstrata connector's records namespace for this engine (the live connector's, once it runs)."""
+    if has_kv_transfer_group() and hasattr(get_kv_transfer_group(), "ns"):
+        return get_kv_transfer_group().ns
     extra = req["connector"]["extra"]
     layers = json.loads((Path(req["model"]) / "config.json").read_text())["num_hidden_layers"]
     text = ChunkCodec.build(extra["method"], ["full"] * layers, 1, 64, torch.bfloat16).text
@@ -151,7 +154,10 @@ def step_result(req: dict, llm: LLM | None, step: dict) -> tuple[LLM | None, dic
         key = chunk_keys(req, step)[step["chunk"]]
         out["result"] = store.put_global(key, {"junk": torch.zeros(3)}, {"kv": "{}"}, namespace(req))
     elif op == "stats":
-        out["totals"] = dict(get_kv_transfer_group().totals)
+        conn = get_kv_transfer_group()
+        conn.flush()  # counts of writes still on the writer thread land first
+        out["totals"] = dict(conn.totals)
+        out["layers"] = {"persistent": list(conn.groups.persistent), "pooled": list(conn.groups.pooled)}
     elif op == "kill":
         os.kill(step["pid"], signal.SIGKILL)
         time.sleep(0.5)

@@ -30,7 +30,8 @@ def markdown(result: dict) -> str:
         f"agent conversations ({cfg['context']}-token documents, {cfg['tool_tokens']}-token tool results). "
         f"Restart: a {cfg['probe_tokens']}-token prompt stored by the first lifetime, timed to its first "
         f"token by the second. Retrieval: {cfg['n']} instances each of {', '.join(cfg['tasks'])} at "
-        f"{cfg['length']} tokens, stored by the first lifetime and answered by the second.",
+        f"{cfg['length']} tokens, stored by the first lifetime and answered by the second. "
+        + _allocator(cfg, rows, names),
         "",
         "| row | later-turn TTFT p50 / p99 | restart TTFT (× cold) | restored | bytes / token at rest "
         "(× raw) | retrieval | Δ vs lossless | answers = cold |",
@@ -66,6 +67,23 @@ def markdown(result: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _allocator(cfg: dict, rows: dict, names: dict) -> str:
+    """What vLLM's hybrid allocator did to the rows (runs from before the setting: off for a connector)."""
+    if not cfg.get("hybrid_allocator", True):
+        return ("vLLM's hybrid allocator off: every layer's pages full length, kvstrata records hold every "
+                "layer.")
+    pooled = {n: r for n, r in rows.items() if r.get("pooled_layers")}
+    if not pooled:
+        return "vLLM's hybrid allocator on (the model has no sliding-window layers, or they are not pooled)."
+    layers = next(iter(pooled.values()))["pooled_layers"]
+    return (f"vLLM's hybrid allocator on: kvstrata records hold the full-attention layers on disk (bytes at "
+            f"rest), the {len(layers)} sliding-window layers' chunks go to the store's SWA pool (memory, "
+            "minutes; an engine restart empties it, and vLLM replays no window for these layers, so the "
+            "second lifetime restores nothing): "
+            + ", ".join(f"{names.get(n, n)} {_f(r['pool_bytes_per_token'], ',.0f')} B/token pooled"
+                        for n, r in pooled.items()) + ".")
 
 
 def write_outputs(result: dict, out: Path) -> None:
