@@ -223,15 +223,24 @@ def decode_attention_rows(
 ) -> list[torch.Tensor]:
     """`decode_attention` for many sequences of different lengths at once (a batched decode step:
     row i is `queries[i]` over `views[i]` + its tail, `idxs[i]` its sparse positions or None). On
-    the CPU the kernel takes every row in one call (varlen, nothing padded) and each row's result
-    equals its own `decode_attention`; elsewhere the rows run one by one."""
+    the CPU the kernel takes every row in one call (varlen, nothing padded), on a GPU the Triton kernel
+    one launch per kind of run (`triton_varlen`); each row's result equals its own
+    `decode_attention`. A codec the kernels do not know: the rows one by one."""
     idxs = idxs if idxs is not None else [None] * len(queries)
     entered = [_enter(q, v, k, t, softcap, i, None)
                for q, v, k, t, i in zip(queries, views, tails_k, tails_v, idxs)]
-    module = cpu.load() if fused else None
-    one_call = module is not None and all(
-        q.device.type == "cpu" and all(x.codec.name in _KINDS for run in v.runs for x in run[:2])
-        for q, v in zip(queries, views))
+    known = fused and all(x.codec.name in _KINDS for v in views for run in v.runs for x in run[:2])
+    if known and all(q.device.type == "cuda" for q in queries):
+        from kvstrata.read.kernels import triton_varlen  # optional dependency: GPUs only
+
+        attends = [a for a, _, _ in entered]
+        outs = triton_varlen.attend_rows(
+            [a.query for a in attends], [triton_runs(v) for v in views], [a.tail_k for a in attends],
+            [a.tail_v for a in attends], scaling, softcap, [i for _, i, _ in entered],
+            [a.bias for a in attends])
+        return [_leave(out, fixes) for out, (_, _, fixes) in zip(outs, entered)]
+    module = cpu.load() if known else None
+    one_call = module is not None and all(q.device.type == "cpu" for q in queries)
     if not one_call:
         outs = [attend_codes(a.query, v, a.tail_k, a.tail_v, scaling, softcap, idx, fused, a.bias)
                 for (a, idx, _), v in zip(entered, views)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 from kvstrata.serve.errors import APIError
+from kvstrata.serve.tokens import SegmentTokenizer
 
 #: no tokenizer here averages this many bytes per token: longer text cannot fit the context, and is
 #: refused before it is tokenized (tokenizing megabytes would stall the worker, which shares the lock)
@@ -19,6 +20,7 @@ class Prompts:
     def __init__(self, tokenizer, context: int, vocab: int):
         self.tok, self.context, self.vocab = tokenizer, context, vocab
         self._lock = threading.Lock()
+        self.tokens = SegmentTokenizer(tokenizer)  # a conversation's earlier turns are not tokenized again
 
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt as `kvstrata generate` tokenizes it (with the tokenizer's special tokens)."""
@@ -31,7 +33,7 @@ class Prompts:
             return self._checked(list(prompt), "prompt")
         self._fits(len(prompt.encode()), "prompt")
         with self._lock:
-            return self._checked(self.tok(prompt).input_ids, "prompt")
+            return self._checked(self.tokens.ids_with_specials(prompt), "prompt")
 
     def chat_ids(self, messages) -> list[int]:
         """Messages through the tokenizer's chat template, with the assistant's turn opened."""
@@ -51,7 +53,7 @@ class Prompts:
                 raise APIError(
                     400, f"messages: the chat template refused them: {e}", param="messages"
                 ) from None
-            return self._checked(self.tok(text, add_special_tokens=False).input_ids, "messages")
+            return self._checked(self.tokens.ids(text), "messages")
 
     def _fits(self, nbytes: int, param: str) -> None:
         if nbytes > self.context * MAX_BYTES_PER_TOKEN:

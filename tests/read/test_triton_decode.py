@@ -7,7 +7,7 @@ import torch
 from kvstrata.hf.segments import encode_segment
 from kvstrata.methods import parse_method
 from kvstrata.read.decode import EncodedView, decode_attention, triton_runs
-from kvstrata.read.kernels import triton_decode
+from kvstrata.read.kernels import triton_decode, triton_varlen
 
 SPECS = ["bf16", "fp8", "fp8:block=32", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0", "int3:r=0",
          "int4:r=0,keys=token", "int3:r=0,keys=token"]
@@ -59,3 +59,31 @@ def test_triton_takes_mixed_codecs_and_a_score_bias(spec):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
         plain = decode_attention(q, view, tk, tv, 0.125, idx=sparse, fused=False)
         assert (got - plain).abs().max() > 0.01  # the bias is not ignored
+
+
+@pytest.mark.parametrize("specs", [("nvfp4", "nvfp4", "nvfp4", "nvfp4"),
+                                   ("int4:r=0", "int4:r=0", "int4:r=0,keys=token", "fp8"),
+                                   ("int2:r=0,v=nvfp4", "int2:r=0,v=nvfp4", "bf16", "int3:r=0")])
+def test_triton_varlen_equals_each_rows_own_call(specs, monkeypatch):
+    """A batched decode step's rows (different lengths, codecs, dense or sparse, with a score bias or
+    without) in one launch per kind of run: each row equals its own `attend` call exactly."""
+    rows = []
+    for i, spec in enumerate(specs):
+        view, tk, tv, q, idx, g = _setup(spec, (1, 4, 2, 48), seed=10 + i)
+        if i < 2:  # dense rows of one kind; the second with a longer tail, so the extents differ
+            idx = None
+            n = 3 + 6 * i
+            tk, tv = torch.randn(1, 2, n, 48, generator=g), torch.randn(1, 2, n, 48, generator=g)
+        bias = torch.randn(1, 4, view.tokens + tk.shape[-2], generator=g) if i == 3 else None
+        rows.append((q, triton_runs(view), tk, tv, idx, bias))
+    launches = []
+    real = triton_varlen._launch
+    monkeypatch.setattr(triton_varlen, "_launch", lambda p, members, *a: (launches.append(members),
+                                                                           real(p, members, *a)))
+    for softcap in (None, 4.0):
+        got = triton_varlen.attend_rows(*(list(c) for c in zip(*[r[:4] for r in rows])), 0.125, softcap,
+                                        idxs=[r[4] for r in rows], biases=[r[5] for r in rows])
+        for out, (q, runs, tk, tv, idx, bias) in zip(got, rows):
+            want = triton_decode.attend(q, runs, tk, tv, 0.125, softcap, idx=idx, bias=bias)
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert max(len({r for r, _ in m}) for m in launches) >= 2  # rows really shared a launch

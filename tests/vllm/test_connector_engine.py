@@ -9,7 +9,6 @@ connector config fails at engine start with one line.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from redis_helpers import RedisServer
 
 from kvstrata.models.loader import load_tokenizer, resolve
+from kvstrata_lab.serve_bench import vllm_bench
 from kvstrata_lab.serve_bench.vllm_bench import engine_env
 
 pytestmark = pytest.mark.integration
@@ -28,10 +28,10 @@ TEXT = (ROOT / "docs" / "architecture.md").read_text()[:1400]
 
 
 def vllm_python() -> Path:
-    py = Path(os.environ.get("KVSTRATA_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
-    if not py.exists():
-        pytest.fail(f"vLLM's environment is missing ({py}): run `make vllm-env`")
-    return py
+    try:
+        return vllm_bench.vllm_python()
+    except FileNotFoundError as exc:  # a missing environment is a failure here, never a skip
+        pytest.fail(str(exc))
 
 
 def drive(tmp: Path, name: str, request: dict) -> list[dict]:

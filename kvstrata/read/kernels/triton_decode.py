@@ -14,6 +14,8 @@ Tested on the CPU under `TRITON_INTERPRET=1`; fast on a CUDA GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -114,22 +116,18 @@ def _decode(codes, scales, mins, tscale, rows, valid, bh, cs_bh, cs_t, ss_bh, ss
 
 
 @triton.jit
-def _attend_run(
-    Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA, BIAS, n, skip, per_split, dim, kc_bh, kc_t, ks_bh,
+def _fold(
+    q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, BIAS, bh, n, skip, start, per_split, dim, kc_bh, kc_t, ks_bh,
     ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t, idx_bh, bias_n, bias_at, scaling, softcap, G: tl.constexpr,
     D: tl.constexpr, BN: tl.constexpr, KKIND: tl.constexpr, VKIND: tl.constexpr, KCHAN: tl.constexpr,
     KBLK: tl.constexpr, VBLK: tl.constexpr, SPARSE: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    nsplit = tl.num_programs(1)
+    """Tokens [start, start + per_split) of one (batch, head) `bh` of a run, scored by the query heads
+    `q: [G, D]` -> the online softmax's (max, sum, output) state."""
     g = tl.arange(0, G)
-    d = tl.arange(0, D)
-    q = tl.load(Q + (bh * G + g[:, None]) * D + d[None, :])  # [G, D]
     m = tl.full([G], float("-inf"), tl.float32)
     l_sum = tl.zeros([G], tl.float32)
     acc = tl.zeros([G, D], tl.float32)
-    start = split * per_split
     for i in range(0, per_split, BN):
         offs = start + i + tl.arange(0, BN)
         valid = offs < n
@@ -160,6 +158,27 @@ def _attend_run(
         acc = acc * corr[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         l_sum = l_sum * corr + tl.sum(p, axis=1)
         m = m_new
+    return m, l_sum, acc
+
+
+@triton.jit
+def _attend_run(
+    Q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, OM, OL, OA, BIAS, n, skip, per_split, dim, kc_bh, kc_t, ks_bh,
+    ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t, idx_bh, bias_n, bias_at, scaling, softcap, G: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, KKIND: tl.constexpr, VKIND: tl.constexpr, KCHAN: tl.constexpr,
+    KBLK: tl.constexpr, VBLK: tl.constexpr, SPARSE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    q = tl.load(Q + (bh * G + g[:, None]) * D + d[None, :])  # [G, D]
+    m, l_sum, acc = _fold(
+        q, KC, KS, KM, VC, VS, VM, k_ts, v_ts, IDX, BIAS, bh, n, skip, split * per_split, per_split, dim,
+        kc_bh, kc_t, ks_bh, ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t, idx_bh, bias_n, bias_at, scaling,
+        softcap, G, D, BN, KKIND, VKIND, KCHAN, KBLK, VBLK, SPARSE, HAS_BIAS,
+    )
     base = (bh * nsplit + split) * G
     tl.store(OM + base + g, m)
     tl.store(OL + base + g, l_sum)
@@ -201,15 +220,40 @@ def _run_args(parts: dict, channel: bool, heads: int, like):
     return codes, u8(scales), mins, cs, ss
 
 
-def attend(
-    query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
-    softcap: float | None = None, idx: torch.Tensor | None = None, block: int = 32,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`query: [b, hq, 1, d]` over `runs` — (k_kind, v_kind, channel, k_parts, v_parts, k_block,
-    v_block, k_tscale, v_tscale, length, skip) per run, parts `[b, h, ...]` — then the tail
-    `[b, h, t, d]`; `idx: [b, h, m]` positions over all of them (sorted) or None; `bias: [b, hq, n]`
-    over every visible token, added to the scores before scaling. -> `[b, hq, d]` float32."""
+@dataclass
+class Prepared:
+    """One (query, runs, tail) problem as the kernels take it: the query heads of each KV group padded
+    to `G x D`, the score bias likewise, and one `Item` per run (and the tail) with tokens to read."""
+
+    q: torch.Tensor  # [b * h, G, D] float32
+    bias: torch.Tensor  # [b * h, G, nb] float32, or a 1-element dummy
+    nb: int
+    items: list["Item"]
+    shape: tuple[int, int, int, int]  # b, hq, g, dim
+
+
+@dataclass
+class Item:
+    """One run of one problem: its kernel constants (`kinds`: KKIND, VKIND, KCHAN, KBLK, VBLK), parts,
+    strides and extent, split `splits` ways of `per` tokens."""
+
+    kinds: tuple
+    parts: tuple  # kc, ks, km, vc, vs, vm
+    strides: tuple  # kc_bh, kc_t, ks_bh, ks_t, kc_d, ks_d, vc_bh, vc_t, vs_bh, vs_t
+    tscales: tuple[float, float]
+    rows: torch.Tensor  # sparse positions `[b * h, n]` (int32), or a dummy
+    n: int
+    skip: int
+    at: int  # where the run's first visible token sits among all visible tokens (the bias' index)
+    splits: int
+    per: int
+
+
+def prepare(
+    query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v: torch.Tensor,
+    idx: torch.Tensor | None = None, block: int = 32, bias: torch.Tensor | None = None,
+) -> Prepared:
+    """`attend`'s arguments -> what its kernel launches take (no kernel runs)."""
     b, hq, _, dim = query.shape
     h = tail_k.shape[1]
     g = hq // h
@@ -226,8 +270,7 @@ def attend(
         bias_g[:, :g] = bias.float().reshape(b * h, g, nb)
     else:
         nb, bias_g = 0, torch.zeros(1, dtype=torch.float32, device=query.device)
-    ms, ls, accs = [], [], []
-    start = 0
+    items, start = [], 0
     for kkind, vkind, channel, kp, vp, kblk, vblk, kts, vts, length, skip in [*runs, tail]:
         visible = length - skip
         if idx is not None:
@@ -245,22 +288,48 @@ def attend(
         per = -(-per // block) * block
         kc, ks, km, kcs, kss = _run_args(kp, channel, h, q)
         vc, vs, vm, vcs, vss = _run_args(vp, False, h, q)
-        om = torch.empty(b * h, splits, G, device=q.device)
-        ol = torch.empty_like(om)
-        oa = torch.empty(b * h, splits, G, D, device=q.device)
-        _attend_run[(b * h, splits)](
-            q, kc, ks, km, vc, vs, vm, float(kts), float(vts), rows, om, ol, oa, bias_g, n, skip, per, dim,
-            kcs[0], kcs[1], kss[0], kss[1], kcs[2], kss[2], vcs[0], vcs[1], vss[0], vss[1],
-            rows.stride(0) if idx is not None else 0, nb, at, float(scaling), float(softcap or 0.0), G=G, D=D,
-            BN=block, KKIND=kkind, VKIND=vkind, KCHAN=channel, KBLK=kblk, VBLK=vblk, SPARSE=idx is not None,
-            HAS_BIAS=bias is not None,
-        )
-        ms.append(om)
-        ls.append(ol)
-        accs.append(oa)
-    m = torch.cat(ms, 1)
+        items.append(Item(
+            kinds=(kkind, vkind, channel, kblk, vblk), parts=(kc, ks, km, vc, vs, vm),
+            strides=(kcs[0], kcs[1], kss[0], kss[1], kcs[2], kss[2], vcs[0], vcs[1], vss[0], vss[1]),
+            tscales=(float(kts), float(vts)), rows=rows, n=n, skip=skip, at=at, splits=splits, per=per))
+    return Prepared(q=q, bias=bias_g, nb=nb, items=items, shape=(b, hq, g, dim))
+
+
+def merge(prep: Prepared, states: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The items' split states `(max [bh, s, G], sum [bh, s, G], output [bh, s, G, D])`, in item order ->
+    the attention output `[b, hq, dim]` float32."""
+    b, hq, g, dim = prep.shape
+    m = torch.cat([x[0] for x in states], 1)
     top = m.amax(1, keepdim=True)
     w = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(m - top))
-    total = (torch.cat(ls, 1) * w).sum(1)
-    out = (torch.cat(accs, 1) * w[..., None]).sum(1) / total[..., None]
+    total = (torch.cat([x[1] for x in states], 1) * w).sum(1)
+    out = (torch.cat([x[2] for x in states], 1) * w[..., None]).sum(1) / total[..., None]
     return out[:, :g, :dim].reshape(b, hq, dim)
+
+
+def attend(
+    query: torch.Tensor, runs: list[tuple], tail_k: torch.Tensor, tail_v: torch.Tensor, scaling: float,
+    softcap: float | None = None, idx: torch.Tensor | None = None, block: int = 32,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`query: [b, hq, 1, d]` over `runs` — (k_kind, v_kind, channel, k_parts, v_parts, k_block,
+    v_block, k_tscale, v_tscale, length, skip) per run, parts `[b, h, ...]` — then the tail
+    `[b, h, t, d]`; `idx: [b, h, m]` positions over all of them (sorted) or None; `bias: [b, hq, n]`
+    over every visible token, added to the scores before scaling. -> `[b, hq, d]` float32."""
+    prep = prepare(query, runs, tail_k, tail_v, idx, block, bias)
+    q = prep.q
+    G, D = q.shape[1], q.shape[2]
+    states = []
+    for it in prep.items:
+        om = torch.empty(q.shape[0], it.splits, G, device=q.device)
+        ol = torch.empty_like(om)
+        oa = torch.empty(q.shape[0], it.splits, G, D, device=q.device)
+        kkind, vkind, channel, kblk, vblk = it.kinds
+        _attend_run[(q.shape[0], it.splits)](
+            q, *it.parts, *it.tscales, it.rows, om, ol, oa, prep.bias, it.n, it.skip, it.per,
+            prep.shape[3], *it.strides, it.rows.stride(0) if idx is not None else 0, prep.nb, it.at,
+            float(scaling), float(softcap or 0.0), G=G, D=D, BN=block, KKIND=kkind, VKIND=vkind,
+            KCHAN=channel, KBLK=kblk, VBLK=vblk, SPARSE=idx is not None, HAS_BIAS=bias is not None,
+        )
+        states.append((om, ol, oa))
+    return merge(prep, states)

@@ -118,8 +118,9 @@ def lifetimes(name: str, cfg: VllmBenchConfig, load: dict, work: Path) -> dict:
     engine = {
         "max_model_len": max(cfg.probe_tokens, cfg.length) + 2 * BLOCK + 64,
         "kv_cache_memory_bytes": 768 << 20,
-        "disable_hybrid_kv_cache_manager": not cfg.hybrid_allocator,
     }
+    if not cfg.hybrid_allocator:  # else vLLM decides: on, unless a row's connector lacks SupportsHMA
+        engine["disable_hybrid_kv_cache_manager"] = True
     store = {"op": "disk", "path": str(work / "store")}
     probe = {"op": "generate", "prompt": load["probe"], "max_tokens": 1}
     # an engine's first forward pays one-time costs: a short prompt of its own first (under one block,
@@ -171,7 +172,7 @@ def summarize_row(raw: dict, load: dict, cfg: VllmBenchConfig, name: str) -> dic
         "restart_cached": restart["cached"],
         "probe_tokens": n,
         "bytes_per_token": disk["bytes"] / stored if stored else None,
-        "pool_bytes_per_token": pooled["totals"]["pool_bytes"] / stored if pooled and stored else None,
+        "pool_bytes_per_token": _per_pooled_token(pooled, cfg.chunk_tokens),
         "pooled_layers": pooled["layers"]["pooled"] if pooled else [],
         "store_bytes": next(s for s in two if s["op"] == "disk")["bytes"],
         "retrieval": sum(scores.values()) / len(scores),
@@ -181,6 +182,14 @@ def summarize_row(raw: dict, load: dict, cfg: VllmBenchConfig, name: str) -> dic
         "restored_tokens": sum(a["cached"] for a in asks),
         "wall_s": raw["wall_s"],
     }
+
+
+def _per_pooled_token(stats: dict | None, chunk_tokens: int) -> float | None:
+    """Bytes per token of the chunks the first lifetime put in the SWA pool (None: no kvstrata row)."""
+    if stats is None:
+        return None
+    chunks = stats["totals"]["pool_chunks"]
+    return stats["totals"]["pool_bytes"] / (chunks * chunk_tokens) if chunks else 0.0
 
 
 def _pct(xs: list[float], q: float) -> float | None:

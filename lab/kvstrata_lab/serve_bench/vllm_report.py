@@ -76,7 +76,7 @@ def _allocator(cfg: dict, rows: dict, names: dict) -> str:
                 "layer.")
     pooled = {n: r for n, r in rows.items() if r.get("pooled_layers")}
     if not pooled:
-        return "vLLM's hybrid allocator on (the model has no sliding-window layers, or they are not pooled)."
+        return "vLLM's hybrid allocator on; no layer's chunks go to the SWA pool (no sliding-window layers)."
     layers = next(iter(pooled.values()))["pooled_layers"]
     return (f"vLLM's hybrid allocator on: kvstrata records hold the full-attention layers on disk (bytes at "
             f"rest), the {len(layers)} sliding-window layers' chunks go to the store's SWA pool (memory, "
