@@ -27,6 +27,7 @@ RANKS = {
 LAZY_OK = ("kvstrata.cli", "kvstrata_lab.cli")
 # Modules imported only where used because they need an optional dependency.
 OPTIONAL = {"kvstrata.read.kernels.triton_decode": "triton (GPU kernels)",
+            "kvstrata.read.kernels.triton_varlen": "triton (GPU kernels)",
             "kvstrata.vllm.connector": "vllm (its own environment)"}
 
 
