@@ -27,11 +27,13 @@ PROBES = (
 
 class SegmentTokenizer:
     """`ids(text)` == `tok(text, add_special_tokens=False).input_ids`, remembering pieces between added
-    tokens (at most `capacity` of them). Not thread-safe: the caller holds the tokenizer's lock."""
+    tokens, least recently used first out once they hold `capacity` ids (a piece counts its ids and a
+    quarter of its characters). Not thread-safe: the caller holds the tokenizer's lock."""
 
-    def __init__(self, tok, capacity: int = 1 << 16):
+    def __init__(self, tok, capacity: int = 1 << 21):
         self.tok, self.capacity = tok, capacity
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._held = 0
         self.stats = {"pieces": 0, "tokenized": 0}
         added = getattr(tok, "added_tokens_decoder", {}) or {}
         self.added = {t.content: i for i, t in added.items()}
@@ -59,7 +61,7 @@ class SegmentTokenizer:
         except Exception:  # a tokenizer this cannot drive: tokenize whole texts
             ok = False
         self._pieces.clear()
-        self.stats = {"pieces": 0, "tokenized": 0}
+        self._held = 0
         return ok
 
     def ids(self, text: str) -> list[int]:
@@ -101,5 +103,11 @@ class SegmentTokenizer:
 
     def _remember(self, piece: str, ids: tuple[int, ...]) -> None:
         self._pieces[piece] = ids
-        while len(self._pieces) > self.capacity:
-            self._pieces.popitem(last=False)
+        self._held += _weight(piece, ids)
+        while self._held > self.capacity:
+            old, old_ids = self._pieces.popitem(last=False)
+            self._held -= _weight(old, old_ids)
+
+
+def _weight(piece: str, ids: tuple[int, ...]) -> int:
+    return len(ids) + len(piece) // 4

@@ -64,3 +64,12 @@ def test_a_tokenizer_whose_pieces_are_not_independent_is_tokenized_whole():
     text = "a  <x> b\n\n<x>"
     assert seg.ids(text) == list(tok(text, add_special_tokens=False).input_ids)
     assert seg.stats["tokenized"] == 0
+
+
+def test_the_cache_holds_at_most_its_capacity():
+    tok = load_tokenizer(resolve("smollm2-135m"))
+    seg = SegmentTokenizer(tok, capacity=200)
+    for i in range(50):
+        text = f"<|im_start|>user\nmessage number {i} " + "word " * 20 + "<|im_end|>"
+        assert seg.ids(text) == list(tok(text, add_special_tokens=False).input_ids)
+        assert seg._held <= 200 and len(seg._pieces) <= 10
