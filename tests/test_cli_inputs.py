@@ -260,6 +260,9 @@ CASES = [
      "keep policies do not apply"),
     ("vllm-bench probe past the context", ["vllm-bench", "--model", "{llama}", "--probe-tokens", "99999999",
                                            "--out", "{out}"], "--probe-tokens"),
+    ("vllm-bench allocator neither on nor off",
+     ["vllm-bench", "--hybrid-allocator", "maybe", "--out", "{out}"],
+     "argument --hybrid-allocator: invalid choice: 'maybe'"),
     ("report bad rows", ["report", "{badrows}"], "results.jsonl: 2 bad row(s)"),
     ("report missing dir", ["report", "{dir}/none"], "holds no benchmark results"),
 ]
