@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstrata.names import TierClass
-from kvstrata.place.prefix_keys import block_hashes
+from kvstrata.place.prefix_keys import block_hash, root
 from kvstrata.place.store import KVStore
 
 NULL_BLOCK = 0  # vLLM's placeholder block: positions a sliding-window group no longer holds
@@ -104,11 +104,14 @@ class Planner:
                       "short_of_window": 0}
 
     def _keys(self, tokens, salt: bytes, count: int, known: list[str] = ()) -> list[str]:
-        """Keys of the first `count` chunks (`known`: keys of a prefix of them, not hashed again)."""
-        if len(known) >= count:
-            return list(known[:count])
-        ids = list(tokens[: count * self.size])
-        return [h.hex() for h in block_hashes(ids, self.size, self.ns, tenant_salt=salt)]
+        """Keys of the first `count` chunks; `known` (keys of a prefix of them) are kept and the chain
+        goes on from the last of them, so a growing request hashes each chunk once."""
+        keys = list(known[:count])
+        parent = bytes.fromhex(keys[-1]) if keys else root(self.ns, salt)
+        for j in range(len(keys), count):
+            parent = block_hash(parent, list(tokens[j * self.size:(j + 1) * self.size]))
+            keys.append(parent.hex())
+        return keys
 
     def matched(self, req_id: str, tokens, salt: bytes, computed: int) -> int:
         """Tokens beyond `computed` (vLLM's own hit) whose KV the store holds, verified, for a request
