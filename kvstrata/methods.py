@@ -126,6 +126,11 @@ STORE_EXCLUDES = MappingProxyType({
 })
 
 
+def storable(spec: MethodSpec) -> bool:
+    """Whether the persistent store can hold `spec`'s KV (`check_store` says why not)."""
+    return all(getattr(rec, stratum) is None for rec in spec.recipes() for stratum in STORE_EXCLUDES)
+
+
 def check_store(spec: MethodSpec) -> None:
     """Refuse a spec the persistent store cannot hold (`STORE_EXCLUDES`)."""
     for rec in spec.recipes():

@@ -22,7 +22,11 @@ def register(sub) -> None:
                    help="with the prompt, within the model's context")
     g.add_argument("--prefill-chunk", type=int_in(0, BIG), default=GenerateConfig.prefill_chunk,
                    help="prompt tokens per prefill pass (bounds the prefill's transient memory; 0 = one "
-                        "pass)")
+                        "pass); the default is `kvstrata serve --prefill-chunk`'s")
+    g.add_argument("--store-block", type=int_in(0, BIG), default=GenerateConfig.store_block,
+                   help="also cut the prompt at its last multiple of N tokens, as `kvstrata serve` with "
+                        "store block size N does (a lossy cache then holds what the server's does; 0 = "
+                        "no store)")
     g.add_argument("--profile", type=int_in(1, 200), metavar="N",
                    help="print to stderr the N functions with the most self time, then kvstrata's N with the "
                         "most total time (cProfile)")
@@ -44,7 +48,7 @@ def run(args) -> int:
     check_fits(load_config(args.model), ids.shape[1], args.max_new_tokens)
     model = load_model(args.model)
     go = functools.partial(generate, model, tok, ids, spec, args.max_new_tokens,
-                           prefill_chunk=args.prefill_chunk or None)
+                           prefill_chunk=args.prefill_chunk or None, store_block=args.store_block or None)
     if args.profile:
         import cProfile
         import pstats
@@ -59,7 +63,8 @@ def run(args) -> int:
         g = go()
     if args.json:
         row = {
-            "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk, "text": g.text,
+            "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk,
+            "store_block": args.store_block, "text": g.text,
             "method": str(spec), "model": args.model, "context_tokens": g.context_tokens,
             "new_tokens": len(g.new_tokens), "kv_bytes": g.kv_bytes,
             "kv_bytes_per_token": g.kv_bytes_per_token,

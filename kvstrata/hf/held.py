@@ -64,6 +64,26 @@ def cut(layer: CompressedLayer, lo: int, hi: int, encode_tail: bool) -> Held:
     return held
 
 
+def seal(cache, block: int) -> None:
+    """Leave every layer of `cache` (a `CompressedCache` fed up to a multiple of `block`) holding what
+    the store's records of it hold, so a prompt continued from here runs as one continued from the
+    store: a full-attention layer's full-precision tail is encoded block by block, as `cut` encodes
+    a record's; spare rows are given back (an installed layer has none: appends start a segment)."""
+    for layer in cache.layers:
+        if not isinstance(layer, CompressedLayer) or not layer.is_initialized:
+            continue
+        n = layer.keys.shape[-2]
+        if n and not layer.is_sliding:
+            start = layer.sink_held + sum(seg.visible for seg in layer.segments)
+            fitted = layer.fit()
+            edges = [start, *range((start // block + 1) * block, start + n, block), start + n]
+            for a, b in zip(edges, edges[1:]):
+                k, v = (t[..., a - start:b - start, :] for t in (layer.keys, layer.values))
+                layer.segments.append(encode_segment(layer.recipe, k, v, fitted))
+            layer.keys, layer.values = (t[..., :0, :].clone() for t in (layer.keys, layer.values))
+        layer.shrink()
+
+
 def _own(t: torch.Tensor) -> torch.Tensor:
     """`t` in storage of its own size: a view into a larger buffer (another cache's, a record's
     payload) is copied, so what the layer counts is what it holds."""

@@ -6,13 +6,14 @@ import ctypes
 import ctypes.util
 import inspect
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
+from kvstrata.hf.held import seal
 from kvstrata.hf.topk_attention import reading
-from kvstrata.methods import MethodSpec, parse_method
+from kvstrata.methods import MethodSpec, parse_method, storable
 from kvstrata.settings import GenerateConfig
 
 
@@ -35,19 +36,66 @@ def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 1,
 
 
 def decode_steps(model, cache, logits: torch.Tensor, steps: int, spec: str | MethodSpec = "bf16",
-                 forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
-    """`steps` greedy decode steps from a prompt's `cache` and next-token `logits: [1, vocab]`, each
-    step one token read as `spec` says (top-k reads included), as a server decodes. With `forced`
-    those tokens are fed instead (another run's greedy tokens: where this cache would choose
-    otherwise). Returns the tokens fed and the logits before each, `[steps, vocab]`."""
+                 forced: list[int] | None = None,
+                 stop: frozenset[int] = frozenset()) -> tuple[list[int], torch.Tensor]:
+    """At most `steps` greedy decode steps from a prompt's `cache` and next-token `logits: [1, vocab]`,
+    each step one token read as `spec` says (top-k reads included), as a server decodes; a token in
+    `stop` (EOS) ends them. With `forced` those tokens are fed instead (another run's greedy tokens:
+    where this cache would choose otherwise). Returns the tokens fed and the logits before each,
+    `[tokens, vocab]`."""
     tokens: list[int] = []
     rows = [logits[0]]
     with torch.inference_mode(), reading(model, cache, spec):
         for i in range(steps):
             tokens.append(int(rows[-1].argmax()) if forced is None else forced[i])
-            if i + 1 < steps:
+            if i + 1 < steps and tokens[-1] not in stop:
                 rows.append(forward(model, torch.tensor([tokens[-1:]]), cache)[0, -1])
+            else:
+                break
     return tokens, torch.stack(rows)
+
+
+def store_boundary(n: int, block: int | None) -> int | None:
+    """The last multiple of `block` before an `n`-token prompt's last token: where a server stores
+    the prompt's blocks up to (it keeps >= 1 token to compute the next-token logits)."""
+    return (n - 1) // block * block if block else None
+
+
+def chunk_end(pos: int, n: int, chunk: int | None, block: int | None, held: int = 0) -> int:
+    """Where the chunk of an `n`-token prompt starting at `pos` ends: after at most `chunk` tokens
+    (None: the rest), never across a multiple of `block` from `held` on (a replay recomputes the
+    positions before it, which the store held) up to `store_boundary` -- where a server seals the
+    cache and stores blocks.
+    The one rule `generate` and `kvstrata serve` both cut by: a lossy cache encodes a prompt by its
+    chunks."""
+    end = n if chunk is None else min(n, pos + chunk)
+    last = store_boundary(n, block)
+    if last is not None and pos < last:
+        end = min(end, held if pos < held else (pos // block + 1) * block)
+    return end
+
+
+def sealed_at(pos: int, n: int, block: int | None, held: int = 0) -> bool:
+    """Whether a prompt fed up to `pos` stands on a block boundary a server seals (`held.seal`)."""
+    last = store_boundary(n, block)
+    return last is not None and 0 < pos <= last and pos >= held and pos % block == 0
+
+
+def prefill_spans(n: int, chunk: int | None, block: int | None, start: int = 0) -> list[tuple[int, int]]:
+    """The chunks `[a, b)` an `n`-token prompt is fed in from `start`, as `kvstrata serve` feeds it."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
+    spans = []
+    while start < n:
+        spans.append((start, end := chunk_end(start, n, chunk, block)))
+        start = end
+    return spans
+
+
+def eos_ids(model) -> frozenset[int]:
+    """The token ids that end a generation (the model's generation config)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return frozenset([eos] if isinstance(eos, int) else eos or [])
 
 
 def peak_rss_mb() -> float:
@@ -73,6 +121,8 @@ class Generation:
     kv_bytes_per_token: float
     kv_bytes_per_token_bf16: float
     cache: CompressedCache | None = None  # what the generation left: encoded K/V, `nbytes()`
+    #: per new token, its logit's lead over the runner-up: how near a tie each greedy choice was
+    margins: list[float] = field(default_factory=list)
 
 
 PREFILL_CHUNK = GenerateConfig.prefill_chunk
@@ -102,24 +152,27 @@ def prefill_chunked(model, cache, ids: torch.Tensor, chunk: int = PREFILL_CHUNK)
 
 def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpec,
              max_new_tokens: int = GenerateConfig.max_new_tokens,
-             prefill_chunk: int | None = PREFILL_CHUNK) -> Generation:
-    """Greedy `model.generate` over a `CompressedCache`; `prompt_ids: [1, tokens]`. All but the last
-    prompt token are prefilled `prefill_chunk` at a time (None: in one pass). Methods with a keep
-    policy see the whole prompt at once (the policy acts once, after the prefill)."""
+             prefill_chunk: int | None = PREFILL_CHUNK,
+             store_block: int | None = GenerateConfig.store_block) -> Generation:
+    """Greedy decoding over a `CompressedCache`; `prompt_ids: [1, tokens]`. The prompt is fed as
+    `kvstrata serve` feeds it (`prefill_spans`: at most `prefill_chunk` tokens, cut and sealed at
+    each `store_block` boundary before its last token; None: in one pass), so a lossy cache holds
+    what the server's does, whether the server computed the prompt or read it from its store.
+    Methods with a keep policy see the whole prompt at once (the policy acts once, after the
+    prefill). Stops at the model's EOS."""
     spec = parse_method(method) if isinstance(method, str) else method
     cache = CompressedCache(model.config, spec)
-
     keeps = any(r.keep is not None for r in spec.recipes())
-    chunked = prefill_chunk is not None and not keeps and prompt_ids.shape[1] > 1
+    n, block = prompt_ids.shape[1], store_block if storable(spec) else None
+    spans = [(0, n)] if keeps or prefill_chunk is None else prefill_spans(n, prefill_chunk, block)
     with torch.inference_mode(), reading(model, cache, spec):
-        if chunked:
-            prefill_chunked(model, cache, prompt_ids[:, :-1], prefill_chunk)
-        out = model.generate(
-            input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_new_tokens,
-            do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            **{cache_kwarg(model): cache},
-        )
-    new = out[0, prompt_ids.shape[1]:].tolist()
+        for a, b in spans:
+            logits = forward(model, prompt_ids[:, a:b], cache)[:, -1]
+            if len(spans) > 1 and sealed_at(b, n, block):
+                seal(cache, block)
+            _TRIM(0)
+    new, rows = decode_steps(model, cache, logits, max_new_tokens, spec, stop=eos_ids(model))
+    top = rows.float().topk(2, dim=-1).values
     cache.shrink()  # rows reserved for further decode steps are not part of what the cache stores
     seen = cache.get_seq_length()
     total = cache.nbytes()["total"]
@@ -131,4 +184,5 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
         kv_bytes_per_token=total / seen if seen else 0.0,
         kv_bytes_per_token_bf16=bf16_bytes_per_token(model.config, seen),
         cache=cache,
+        margins=(top[:, 0] - top[:, 1]).tolist(),
     )

@@ -28,8 +28,8 @@ from typing import Literal
 import torch
 
 from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
-from kvstrata.hf.held import Held, cut, install
-from kvstrata.hf.run import forward
+from kvstrata.hf.held import Held, cut, install, seal
+from kvstrata.hf.run import chunk_end, forward, sealed_at, store_boundary
 from kvstrata.methods import check_store, parse_method, render
 from kvstrata.names import Retention, ServeKind, TierClass
 from kvstrata.place.block_format import pack, unpack
@@ -89,10 +89,12 @@ class Served:
 @dataclass(kw_only=True)
 class Prefill:
     """A prompt on its way into `cache`: positions [pos, len(ids)) are still to run. Chunks never
-    cross `boundary` (Q, where the block records and SWA state are cut: its callback runs when the
-    prompt reaches it) nor, with a `limit`, span more than `limit` tokens -- so where a prompt is
-    cut depends on it alone, never on what else shares a step. `whole`: the method's keep policy
-    must see the prompt at once (no chunks)."""
+    cross a multiple of `block` up to the prompt's last one (there the cache is sealed: it holds
+    what the store's records hold; at the last, `boundary` Q, the records and SWA state are cut:
+    its callback runs when the prompt reaches it) nor, with a `limit`, span more than `limit`
+    tokens -- so where a prompt is cut depends on it alone, never on what else shares a step, and
+    `kvstrata generate` cuts it alike (`kvstrata.hf.run.chunk_end`). `whole`: the method's keep
+    policy must see the prompt at once (no chunks)."""
 
     cache: CompressedCache
     ids: list[int]
@@ -101,6 +103,7 @@ class Prefill:
     reused_tokens: int
     t0: float
     boundary: tuple[int, Callable[[], None]] | None = None
+    block: int | None = None  # the store's block size (None: no store)
     write: Callable[[], None] | None = None  # writes the new records back (after the first token)
     whole: bool = False
     write_s: float = 0.0
@@ -115,14 +118,14 @@ class Prefill:
 
     def next_chunk(self, limit: int | None = None) -> list[int]:
         """The next tokens to feed (at most `limit`, None: as many as the boundary allows)."""
-        end = len(self.ids) if limit is None or self.whole else min(len(self.ids), self.pos + limit)
-        if self.boundary is not None and self.pos < self.boundary[0] < end:
-            end = self.boundary[0]
-        return self.ids[self.pos:end]
+        limit = None if self.whole else limit
+        return self.ids[self.pos:chunk_end(self.pos, len(self.ids), limit, self.block, self.reused_tokens)]
 
     def fed(self, n: int) -> None:
         """`n` more tokens ran through the model into `cache`."""
         self.pos += n
+        if sealed_at(self.pos, len(self.ids), self.block, self.reused_tokens):
+            seal(self.cache, self.block)
         if self.boundary is not None and self.pos == self.boundary[0]:
             t = time.perf_counter()
             self.boundary[1]()
@@ -207,7 +210,7 @@ class PrefixServer:
             chain.update({i: h for i, h in held.items() if i not in chain and h.fitted is not None})
             records.append(held)
         cache, start, kind, P = self._install(records, found, sliding)
-        Q = max(P, usable * self.block)
+        Q = max(P, store_boundary(len(ids), self.block))  # where `generate` cuts it too
         pending: dict = {}
 
         def snapshot() -> None:  # the state at the block boundary Q, before the remainder runs
@@ -222,7 +225,7 @@ class PrefixServer:
                 self.store.put_swa(hashes[Q // self.block - 1], *pending["windows"], namespace=self.ns)
 
         return Prefill(cache=cache, ids=ids, pos=start, kind=kind, reused_tokens=P, t0=t0,
-                       boundary=(Q, snapshot) if start < Q else None, write=write)
+                       boundary=(Q, snapshot) if start < Q else None, block=self.block, write=write)
 
     def _install(self, records: list[dict[int, Held]], found, sliding: list[int]):
         """(cache, first position to compute, kind, tokens reused): the records' codes installed as

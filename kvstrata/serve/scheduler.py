@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvstrata.accounting import account_hf
 from kvstrata.hf.cache import layer_classes
+from kvstrata.settings import GenerateConfig
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Limits:
     max_running: int = 16  # requests in the batch at once
     max_queue: int = 16  # requests waiting beyond those; one more is answered 429
     max_batched_tokens: int = 512  # tokens per forward (decode rows count one each)
-    prefill_chunk: int = 256  # most tokens of one prompt per step
+    prefill_chunk: int = GenerateConfig.prefill_chunk  # most tokens of one prompt per step (as `generate`)
     kv_budget_bytes: int = 0  # bytes of KV the running requests may hold at their longest; 0: no limit
     batching: bool = True  # False: one request's row per forward (the unbatched worker)
 

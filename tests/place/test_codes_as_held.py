@@ -67,16 +67,43 @@ def test_a_write_and_a_hit_neither_decode_nor_encode_again(tiny_gemma, tmp_path,
 
 
 def test_only_tokens_still_in_full_precision_are_encoded_and_once(tiny_llama, tmp_path, monkeypatch):
-    """With a KIVI residual (`r=4`) the newest tokens of a block are not encoded yet when it is written:
-    the record encodes those, once; a hit decodes nothing and encodes nothing."""
+    """With a KIVI residual (`r=4`) the newest tokens of a block are not encoded yet when the prompt
+    reaches its end: the cache is sealed there (those encoded, once, as the record holds them), so
+    writing the records encodes nothing; a hit decodes nothing and encodes nothing."""
     store = KVStore(DiskTier(tmp_path / "g", 1 << 26), MemoryTier(1 << 24))
     server = PrefixServer(tiny_llama, store, "int2:group=16,r=4,keys=token", block_size=8)
     server.serve(IDS), server.serve(IDS)
+    monkeypatch.setattr(prefix_server, "seal", _sealing := _counting_seal(prefix_server.seal))
     with counted(monkeypatch) as calls:
         server.serve(OTHER)
         layers = tiny_llama.config.num_hidden_layers
-        # 4 tail tokens of the last block, keys and values, per layer: one encode each
-        assert calls == Counter({"encode": 2 * layers, "encoded tokens": 2 * 4 * layers})
-        calls.clear()
+        assert calls == Counter()  # the records: cut from the codes as held
+        # sealed at 8, 16, ..., 64: each time the residual's 4 tokens, keys and values, per layer
+        assert _sealing == Counter({"encode": 8 * 2 * layers, "encoded tokens": 8 * 2 * 4 * layers})
+        _sealing.clear()
         assert server.serve(OTHER).kind == "hit"
-    assert calls == Counter()
+    assert calls == Counter() and _sealing == Counter()
+
+
+class _counting_seal(Counter):
+    """`seal`, counting the codec encodes it makes."""
+
+    def __init__(self, seal):
+        super().__init__()
+        self.seal = seal
+
+    def __call__(self, cache, block):
+        from kvstrata.hf import held
+
+        real = held.encode_segment
+
+        def encode(recipe, k, v, *a, **kw):
+            self["encode"] += 2
+            self["encoded tokens"] += 2 * k.shape[-2]
+            return real(recipe, k, v, *a, **kw)
+
+        held.encode_segment = encode
+        try:
+            self.seal(cache, block)
+        finally:
+            held.encode_segment = real

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvstrata.hf import CompressedCache
-from kvstrata.hf.run import forward
+from kvstrata.hf.run import forward, prefill_spans
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
 from kvstrata.place.prefix_server import PrefixServer
@@ -21,9 +21,11 @@ def make_store(tmp_path):
 
 
 def exact_logits(model, ids, method="bf16"):
-    cache = CompressedCache(model.config, method)
-    forward(model, torch.tensor([ids[:64]]), cache)
-    return forward(model, torch.tensor([ids[64:]]), cache)[:, -1]
+    """The prompt's logits computed as a server computes a miss: cut at each block (8) before its end."""
+    cache, logits = CompressedCache(model.config, method), None
+    for a, b in prefill_spans(len(ids), None, 8):
+        logits = forward(model, torch.tensor([ids[a:b]]), cache)[:, -1]
+    return logits
 
 
 @pytest.fixture
@@ -209,15 +211,14 @@ KNOBS = ["nvfp4;layers[0]=fp8", "nvfp4:smooth=0.5", "nvfp4:outliers=2,ofmt=fp8",
 @pytest.mark.parametrize("spec", KNOBS)
 def test_every_knob_the_grammar_takes_is_stored_as_held(tiny_gemma, tiny_llama, tmp_path, spec):
     """Records carry the codes and their transform state as the cache held them: a hit's cache reads
-    what the writer's did (key groups cut across blocks, sinks, side channels, a tail still in full
-    precision encoded once), so its logits are the miss's."""
+    what the writer's did (key groups cut across blocks, sinks, side channels, a tail sealed at each
+    block boundary), so its logits are the miss's."""
     for model in (tiny_gemma, tiny_llama):
         s = PrefixServer(model, make_store(tmp_path / model.config.model_type), spec, block_size=8)
         cold = s.serve(IDS)
         warm = s.serve(IDS)
         assert (cold.kind, warm.kind, warm.reused_tokens) == ("miss", "hit", 64)
-        tol = 1e-5 if ",r=4" not in spec else 0.3  # r=4: tail rows were encoded for the record
-        torch.testing.assert_close(warm.logits, cold.logits, atol=tol, rtol=0)
+        torch.testing.assert_close(warm.logits, cold.logits, atol=1e-5, rtol=0)
         s.store.swa_tier.clear()
         replay = s.serve(IDS)
         assert replay.kind == ("replay" if model is tiny_gemma else "hit")
@@ -294,14 +295,14 @@ def test_a_bf16_model_stores_and_hits_with_key_transforms(tiny_llama, tmp_path):
     torch.testing.assert_close(warm.logits, cold.logits, atol=0, rtol=0)
 
 
-def test_outlier_channels_read_before_anything_is_encoded(tiny_llama, tmp_path):
-    """A block written while every token was still in the full-precision tail fits the transforms
-    early; the next fused decode step has no encoded token to take side parts from."""
+def test_a_residual_longer_than_a_block_is_sealed_and_read(tiny_llama, tmp_path):
+    """A residual longer than a block (r=64 > 16): every token is still in the full-precision tail
+    when the prompt reaches a block boundary, so the seal there fits the transforms and encodes
+    them; the next fused decode step reads side parts from those codes."""
     s = PrefixServer(tiny_llama, make_store(tmp_path), "nvfp4:r=64,outliers=2", block_size=16)
     served = s.serve(IDS[:33])
     layer = served.cache.layers[0]
-    assert layer.fitted is not None and not layer.segments
-    from kvstrata.hf.run import forward
+    assert layer.fitted is not None and sum(seg.visible for seg in layer.segments) == 32
 
     logits = forward(tiny_llama, torch.tensor([[5]]), served.cache)
     assert torch.isfinite(logits).all()

@@ -11,6 +11,7 @@ here: its decode steps read sparsely from the installed or replayed cache."""
 
 import pytest
 import torch
+from greedy_helpers import agree_but_near_ties
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -122,7 +123,8 @@ def test_exact_replay_is_a_replay_of_the_whole_prefix(tiny_gemma, method, split)
     """Any codec, a float32 model: the exact replay's sliding windows, logits and greedy steps are a
     replay of the whole cached prefix's (both read the same global codes); one token less and the
     next token's logits differ once the prefix is longer. Against the cold run (whose prefill read
-    its own K/V before encoding it) only the codec's error remains: a small KL, the same tokens."""
+    its own K/V before encoding it) only the codec's error remains: a small KL, the same tokens but
+    where the cold run's choice was a near-tie."""
     first, block = SPLITS[split], 5
     cached = (first - 1) // block * block
     ids = tokens(first, first)
@@ -147,4 +149,6 @@ def test_exact_replay_is_a_replay_of_the_whole_prefix(tiny_gemma, method, split)
     assert differs > 1e-5 if cached >= RECEPTIVE else differs < 1e-6
     ref = cold(tiny_gemma, method, ids[:cached + 1], block)
     assert kl(ref.logits, exact.logits).item() < 1e-3
-    assert decode_steps(tiny_gemma, ref.cache, ref.logits, NEW, method)[0] == steps[0][0]
+    cold_tokens, rows = decode_steps(tiny_gemma, ref.cache, ref.logits, NEW, method)
+    top = rows.topk(2, dim=-1).values
+    assert agree_but_near_ties(steps[0][0], cold_tokens, (top[:, 0] - top[:, 1]).tolist())

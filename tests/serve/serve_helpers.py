@@ -6,7 +6,9 @@ from pathlib import Path
 
 import openai
 import torch
+from greedy_helpers import NEAR_TIE, REPLAY_NEAR_TIE, agree_but_near_ties, apart_at
 
+from kvstrata.hf.run import eos_ids
 from kvstrata.names import Retention
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
@@ -74,7 +76,7 @@ class Harness:
     def __init__(self, model, method, tmp, limits: Limits):
         self.store = WriteBehindStore(DiskTier(tmp / "g", 1 << 26), MemoryTier(1 << 24), swa_ttl_s=300)
         sessions = Sessions(model, method, self.store, block_size=STORE_BLOCK, replay_tokens="exact")
-        self.worker = Worker(model, sessions, lambda ids: ",".join(map(str, ids)), set(), 4096,
+        self.worker = Worker(model, sessions, lambda ids: ",".join(map(str, ids)), eos_ids(model), 4096,
                              Metrics(self.store), limits)
         self.worker.start()
 
@@ -109,25 +111,71 @@ def answer(handle: dict) -> tuple[str, str]:
     return event.outcome.text, event.outcome.kind
 
 
+def scenario_requests() -> list[list[tuple[list[int], int]]]:
+    """`scenario`'s requests (prompt ids, max tokens), phase by phase: misses, hits on longer prompts,
+    replays of those after the SWA pool is emptied."""
+    misses = [(prompt(1, 45), 14), (prompt(2, 60), 3), (prompt(3, 21), 9), (prompt(4, 5), 6)]
+    hits = [(prompt(s, n) + prompt(s + 10, 7), 8) for s, n in ((1, 45), (2, 60), (3, 21))]
+    replays = [(prompt(s, n) + prompt(s + 10, 7) + [9], 5) for s, n in ((1, 45), (2, 60))]
+    return [misses, hits, replays]
+
+
+CHUNK = 16  # scenario's prefill chunk
+
+
 def scenario(model, method, tmp, batching: bool) -> list[tuple[str, str]]:
     """Misses (one joining while another decodes, one leaving early), hits on longer prompts, then
     replays after the SWA pool is emptied -- the same requests in the same order for both workers."""
-    h = Harness(model, method, tmp, Limits(max_running=8, max_batched_tokens=40, prefill_chunk=16,
+    h = Harness(model, method, tmp, Limits(max_running=8, max_batched_tokens=40, prefill_chunk=CHUNK,
                                            batching=batching))
+    misses, hits, replays = scenario_requests()
     try:
         out = []
-        a = h.ask(prompt(1, 45), 14)
+        a = h.ask(*misses[0])
         while a["deltas"] < 3 and not a["done"].is_set():
             time.sleep(0.001)
-        rest = [h.ask(prompt(2, 60), 3), h.ask(prompt(3, 21), 9), h.ask(prompt(4, 5), 6)]
+        rest = [h.ask(*r) for r in misses[1:]]
         out += [answer(x) for x in [a, *rest]]
         assert h.store.flush()
-        hits = [h.ask(prompt(s, n) + prompt(s + 10, 7), 8) for s, n in ((1, 45), (2, 60), (3, 21))]
-        out += [answer(x) for x in hits]
+        out += [answer(x) for x in [h.ask(*r) for r in hits]]
         assert h.store.flush()
         h.store.swa_tier._data.clear()
-        replays = [h.ask(prompt(s, n) + prompt(s + 10, 7) + [9], 5) for s, n in ((1, 45), (2, 60))]
-        out += [answer(x) for x in replays]
+        out += [answer(x) for x in [h.ask(*r) for r in replays]]
         return out
     finally:
         h.close()
+
+
+class Ids:
+    """A tokenizer stand-in for `generate`: token ids as their own text."""
+
+    pad_token_id, eos_token_id = 0, None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ",".join(map(str, ids))
+
+
+def generated(model, ids: list[int], method: str, max_tokens: int, **cuts) -> tuple[list[int], list[float]]:
+    """`kvstrata generate`'s greedy tokens as a server's answer holds them (without a final EOS) and
+    each one's lead over the runner-up."""
+    from kvstrata.hf.run import generate
+
+    ref = generate(model, Ids(), torch.tensor([ids]), method, max_tokens, **cuts)
+    stop = ref.new_tokens[-1:] and ref.new_tokens[-1] in eos_ids(model)
+    return ref.new_tokens[:-1] if stop else ref.new_tokens, ref.margins
+
+
+def generate_disagreements(model, method, answers: list[tuple[str, str]]) -> list[tuple[str, int, float]]:
+    """`scenario`'s answers that are not `kvstrata generate`'s (cut as the scenario's server cuts: its
+    chunk and store block) but where generate's choice was a near-tie (`greedy_helpers`; a lossy
+    replay is an approximation, held to `REPLAY_NEAR_TIE`): (kind, first differing token,
+    generate's lead there) each."""
+    out = []
+    for (ids, m), (text, kind) in zip([r for phase in scenario_requests() for r in phase], answers):
+        want, leads = generated(model, ids, method, m, prefill_chunk=CHUNK, store_block=STORE_BLOCK)
+        got = [int(t) for t in text.split(",")] if text else []
+        near = REPLAY_NEAR_TIE if kind == "replay" and method != "bf16" else NEAR_TIE
+        if not agree_but_near_ties(got, want, leads, near):
+            i = apart_at(got, want)
+            out.append((kind, i, leads[i] if i < len(leads) else 0.0))
+    return out

@@ -1,10 +1,18 @@
 """SmolLM2-135M-Instruct through a real server: a two-turn chat whose second turn is served from the
 store, each greedy answer equal to `kvstrata generate`'s for the same templated prompt; and the
-batched worker's answers equal the unbatched worker's on it (misses, hits, requests joining and
-leaving mid-batch)."""
+batched worker's answers equal the unbatched worker's and `kvstrata generate`'s on it, lossy codecs
+included (misses, hits, requests joining and leaving mid-batch)."""
 
 import pytest
-from serve_helpers import BLOCK, chat_ids, client, greedy_reference, scenario, start_server
+from serve_helpers import (
+    BLOCK,
+    chat_ids,
+    client,
+    generate_disagreements,
+    greedy_reference,
+    scenario,
+    start_server,
+)
 
 from kvstrata.models import KNOWN_MODELS, load
 
@@ -49,5 +57,7 @@ LSQ = "int4:keys=channel,group=96,r=0,v=nvfp4,fit=lsq,sink=4,rot=hadamard"
 
 
 @pytest.mark.parametrize("method", ["bf16", "nvfp4", LSQ])
-def test_smollm2_batched_answers_equal_unbatched_ones(method, smollm2, tmp_path):
-    assert scenario(smollm2, method, tmp_path / "b", True) == scenario(smollm2, method, tmp_path / "u", False)
+def test_smollm2_batched_answers_equal_unbatched_ones_and_generates(method, smollm2, tmp_path):
+    batched = scenario(smollm2, method, tmp_path / "b", True)
+    assert batched == scenario(smollm2, method, tmp_path / "u", False)
+    assert generate_disagreements(smollm2, method, batched) == []
