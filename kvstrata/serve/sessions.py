@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 
 from kvstrata.hf.cache import CompressedCache
-from kvstrata.methods import parse_method
+from kvstrata.methods import parse_method, storable
 from kvstrata.names import Retention, ServeKind
 from kvstrata.place.prefix_keys import model_fingerprint
 from kvstrata.place.prefix_server import Prefill, PrefixServer, ReplayTokens, Served, weights_digest
@@ -53,10 +53,10 @@ class Sessions:
     def begin(self, ids: list[int], tenant: bytes, retention: Retention) -> Prefill:
         """The prompt looked up and installed, the rest left to feed; with the store, new blocks are
         queued for writing under `retention` when it finishes."""
-        if self.store is None:
+        if self.store is None:  # cut and sealed as with a store, so answers do not depend on it
             cache = CompressedCache(self.model.config, self.spec)
             prefill = Prefill(cache=cache, ids=ids, pos=0, kind=ServeKind.MISS, reused_tokens=0,
-                              t0=time.perf_counter())
+                              t0=time.perf_counter(), block=self.block if storable(self.spec) else None)
         else:
             prefill = self._server(tenant).begin(ids, retention)
         prefill.whole = self.whole

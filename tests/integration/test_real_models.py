@@ -2,8 +2,9 @@
 
 import pytest
 
-from kvstrata.hf.run import PREFILL_CHUNK, generate
+from kvstrata.hf.run import PREFILL_CHUNK, generate, prefill_spans
 from kvstrata.models import KNOWN_MODELS, load
+from kvstrata.settings import GenerateConfig
 from kvstrata_lab.bench.passkey import passkey_prompt
 
 pytestmark = pytest.mark.integration
@@ -40,10 +41,13 @@ def test_passkey_4k_through_fp4_cache(real, method):
     rows = 2 * text.num_key_value_heads * held_tokens(model, seen)
     expected = rows * ROW[method](text.head_dim)
     if method == "nvfp4":  # one fp32 tensor scale per encoded K/V segment: one per prefill chunk a layer
-        # still holds, and one for the segment the decode steps append to (its scale has room for them)
+        # still holds, then the decode steps' (one, and another whenever a token outgrows its scale)
         segments = [len(layer.segments) for layer in g.cache.layers]
-        full = -(-(ids.shape[1] - 1) // PREFILL_CHUNK) + 1
-        assert all(n == full for n, layer in zip(segments, g.cache.layers) if not layer.is_sliding)
+        spans = [b - a for a, b in prefill_spans(ids.shape[1], PREFILL_CHUNK, GenerateConfig.store_block)]
+        for layer in g.cache.layers:
+            if not layer.is_sliding:
+                runs = [s.visible for s in layer.segments]
+                assert runs[:len(spans)] == spans and sum(runs[len(spans):]) == 5
         expected += 2 * 4 * sum(segments)
     assert g.kv_bytes == expected
     if name == "smollm2-135m":

@@ -14,10 +14,12 @@ from kvstrata.hf.held import seal
 from kvstrata.hf.run import decode_steps, forward, generate, prefill_spans, sealed_at, store_boundary
 from kvstrata.methods import METHODS
 from kvstrata.models.tiny import byte_tokenizer
+from kvstrata.names import Retention
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
 from kvstrata.place.prefix_server import PrefixServer
 from kvstrata.place.store import KVStore
+from kvstrata.serve.sessions import Sessions
 
 BLOCK, CHUNK = 8, 16
 SPECS = [n for n, e in METHODS.items() if e.stratum == "store"] + [
@@ -72,10 +74,12 @@ def test_a_hit_holds_and_answers_bit_for_bit_what_a_miss_does(arch, spec, tiny_l
     # hit's adjacent bf16 runs are joined into one run, summed in another order: ~1e-7 here)
     assert steps[0][0] == steps[1][0]
     torch.testing.assert_close(steps[0][1], steps[1][1], atol=1e-5, rtol=0)
-    # and `generate` (cut by the same rule) answers what the hit answers
+    # and `generate` (cut by the same rule) answers what the hit answers, as does a server without a store
     gen = generate(model, byte_tokenizer(), torch.tensor([longer]), spec, 6, prefill_chunk=CHUNK,
                    store_block=BLOCK)
     assert gen.new_tokens == steps[0][0] and len(gen.margins) == 6
+    alone = Sessions(model, spec, None, block_size=BLOCK).begin(longer, b"", Retention.PERSISTENT)
+    assert torch.equal(alone.run(model, CHUNK).logits, hit.logits)
 
 
 def test_generate_without_a_store_block_is_not_sealed(tiny_llama):

@@ -14,6 +14,7 @@ from serve_helpers import (
     start_server,
 )
 
+from kvstrata.methods import METHODS
 from kvstrata.models import KNOWN_MODELS, load
 
 pytestmark = pytest.mark.integration
@@ -54,9 +55,10 @@ def smollm2():
 
 
 LSQ = "int4:keys=channel,group=96,r=0,v=nvfp4,fit=lsq,sink=4,rot=hadamard"
+CODECS = [n for n, e in METHODS.items() if e.stratum == "store"]  # bf16, fp8, the 4-, 3- and 2-bit ones
 
 
-@pytest.mark.parametrize("method", ["bf16", "nvfp4", LSQ])
+@pytest.mark.parametrize("method", [*CODECS, LSQ])
 def test_smollm2_batched_answers_equal_unbatched_ones_and_generates(method, smollm2, tmp_path):
     batched = scenario(smollm2, method, tmp_path / "b", True)
     assert batched == scenario(smollm2, method, tmp_path / "u", False)

@@ -63,6 +63,9 @@ def register(sub) -> None:
         help="the KV budget holds this many bf16 sequences at their longest",
     )
     s.add_argument("--budget-streams", type=int_in(1, 256), default=default("budget_streams"))
+    s.add_argument("--peer", choices=["llama-server"], default=None,
+                   help="also run the levels against llama.cpp's llama-server (-np = streams) on the GGUF "
+                        "the model is converted from, in the same run (built once: make llamacpp)")
     s.add_argument("--seed", type=SEED, default=default("seed"))
     s.add_argument("--out", default=default("out"), type=nonempty)
     s.set_defaults(func=run)
@@ -89,6 +92,7 @@ def run(args) -> int:
         probe_tokens=args.probe_tokens,
         budget_sequences=args.budget_sequences,
         budget_streams=args.budget_streams,
+        peer=args.peer or "",
         seed=args.seed,
         out=args.out,
     )

@@ -7,9 +7,11 @@ streamed greedy completions of distinct `prompt_tokens`-token prompts one after 
 aggregate generated tokens/s (every token over the wall time of the level, prefills included) and
 time per output token (TPOT, per request: after its first token) p50 / p99. A probe prompt of
 `probe_tokens` tokens is timed on the idle server, then again arriving while 8 streams decode.
-Last, the batched server under a KV budget that holds `budget_sequences` bf16 sequences at their
+Then the batched server under a KV budget that holds `budget_sequences` bf16 sequences at their
 longest, with `budget_streams` streams: how many sequences run at once (sampled from /metrics) and
-each request's decode rate.
+each request's decode rate. With a `peer` (llama.cpp's `llama-server`, continuous batching on the
+GGUF our model is converted from), the same levels against it, a server per level with one slot
+per stream (`-np`), in the same run: our batched tokens/s over its.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvstrata.serve.scheduler import kv_rate
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.bench import _stream
 from kvstrata_lab.serve_bench.config import BatchBenchConfig
+from kvstrata_lab.serve_bench.peers import check_peer, peer_server
 from kvstrata_lab.serve_bench.process import ServerProcess
 
 SLACK_TOKENS = 16  # a prompt's text may re-tokenize a few tokens longer than it was cut to
@@ -175,9 +178,29 @@ def budget_bytes(cfg: BatchBenchConfig) -> int:
     return cfg.budget_sequences * rate.bytes(cfg.prompt_tokens + SLACK_TOKENS + cfg.max_tokens)
 
 
+def _peer(cfg: BatchBenchConfig, prompts: _Prompts, root: Path) -> dict:
+    """The levels against the peer: a server per level, one slot per stream; an error is a result."""
+    slot = cfg.prompt_tokens + SLACK_TOKENS + cfg.max_tokens + 64
+    levels, describe = [], ""
+    for n in cfg.streams:
+        peer = peer_server(cfg.peer, cfg.model, n, slot, root)
+        describe = peer.describe
+        try:
+            with peer as server:
+                _level(server, prompts, 1, 1, 2)  # warm-up
+                levels.append(_level(server, prompts, n, per_stream(cfg, n), cfg.max_tokens))
+        except RuntimeError as exc:  # it cannot serve this model: reported, our rows kept
+            error = str(exc).splitlines()[0]
+            return {"name": cfg.peer, "describe": describe, "levels": levels, "error": error}
+        print(f"{cfg.peer} {n}: {levels[-1]['tokens_per_s']:.1f} tok/s", flush=True)
+    return {"name": cfg.peer, "describe": describe, "levels": levels}
+
+
 def run(cfg: BatchBenchConfig, command: str = "") -> dict:
     for method in cfg.methods:
         check_method(cfg.model, method, store=False)
+    if cfg.peer:
+        check_peer(cfg.peer, cfg.model)  # a missing build: refused before any phase runs
     prompts = _Prompts(cfg)
     root = Path(tempfile.mkdtemp(prefix="kvstrata-batch-bench-"))
     budget = budget_bytes(cfg)
@@ -212,6 +235,8 @@ def run(cfg: BatchBenchConfig, command: str = "") -> dict:
                 _level(server, prompts, 1, 1, 2)
                 rows["budget"] = _budget(server, prompts, cfg)
             result["methods"][method] = rows
+        if cfg.peer:
+            result["peer"] = _peer(cfg, prompts, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result["summary"] = summarize(result)
@@ -228,6 +253,7 @@ def summarize(result: dict) -> dict:
     unbatched at each level, the late probe, and sequences held under the KV budget vs bf16's."""
     out = {}
     methods = result["methods"]
+    peer = {x["streams"]: x for x in result.get("peer", {}).get("levels", [])}
     for method, rows in methods.items():
         lv = {x["streams"]: x for x in rows["batched"]["levels"]}
         un = {x["streams"]: x for x in rows["unbatched"]["levels"]}
@@ -241,6 +267,11 @@ def summarize(result: dict) -> dict:
             },
             "probe_met": rows["batched"]["probe"]["met"],
             "budget_running_max": rows["budget"]["running_max"],
+            "vs_peer": {
+                n: x["tokens_per_s"] / peer[n]["tokens_per_s"]
+                for n, x in lv.items()
+                if n in peer and peer[n]["tokens_per_s"]
+            },
         }
     if "bf16" in methods:
         base = methods["bf16"]["budget"]
@@ -256,6 +287,30 @@ def summarize(result: dict) -> dict:
 
 def _f(x, spec: str = ".2f") -> str:
     return "–" if x is None else format(x, spec)
+
+
+def _peer_lines(result: dict) -> list[str]:
+    """The peer's levels, and our batched tokens/s over its at each (same run)."""
+    peer = result.get("peer")
+    if not peer:
+        return []
+    lines = [
+        "",
+        f"Beside it, in the same run: {peer['name']} ({peer['describe']}), a server per level with one "
+        "slot per stream (`-np`), the same prompts' kind and lengths."
+        + (f" It failed: {peer['error']}" if peer.get("error") else ""),
+        "",
+        "| server | streams | tokens/s | TPOT p50 / p99 (s) | TTFT p50 (s) | "
+        + " | ".join(f"`{m}` batched ÷ it" for m in result["methods"]) + " |",
+        "|---|---|---|---|---|" + "---|" * len(result["methods"]),
+    ]
+    for x in peer["levels"]:
+        ratios = [_f(result["summary"][m]["vs_peer"].get(x["streams"])) for m in result["methods"]]
+        lines.append(
+            f"| {peer['name']} | {x['streams']} | {x['tokens_per_s']:.1f} | {_f(x['tpot_p50_s'], '.3f')} / "
+            f"{_f(x['tpot_p99_s'], '.3f')} | {_f(x['ttft_p50_s'], '.3f')} | " + " | ".join(ratios) + " |"
+        )
+    return lines
 
 
 def render(result: dict) -> str:
@@ -284,6 +339,7 @@ def render(result: dict) -> str:
                     f"{x['tokens_per_s'] / one:.2f} | {_f(vs)} | {_f(x['tpot_p50_s'], '.3f')} / "
                     f"{_f(x['tpot_p99_s'], '.3f')} | {_f(x['ttft_p50_s'], '.3f')} |"
                 )
+    lines += _peer_lines(result)
     lines += [
         "",
         "| method | worker | probe TTFT idle (s) | under load (s) | bound 1.5 × idle + one step (s) | met |",

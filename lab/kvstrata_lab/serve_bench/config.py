@@ -52,6 +52,7 @@ class BatchBenchConfig:
     probe_streams: int = 8
     budget_sequences: int = 4  # the KV budget holds this many bf16 sequences at their longest
     budget_streams: int = 16
+    peer: str = ""  # "llama-server": the same levels against llama.cpp's server, `-np` = the streams
     seed: int = 0
     out: str = "docs/results/serve-batching"
 
@@ -68,6 +69,8 @@ class BatchBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.streams or min(self.streams) < 1 or not self.methods:
             raise ValueError("streams must be counts >= 1 and methods non-empty")
+        if self.peer not in ("", "llama-server"):
+            raise ValueError(f"unknown serve-batch-bench peer {self.peer!r} (known: llama-server)")
 
 
 #: `kvstrata vllm-bench`'s rows: vLLM alone (its own prefix cache), vLLM's example connector (raw

@@ -8,7 +8,7 @@ import pytest
 
 from kvstrata.cli import main
 from kvstrata_lab.bench.peers.llamacpp_build import built
-from kvstrata_lab.serve_bench.config import ServeBenchConfig
+from kvstrata_lab.serve_bench.config import BatchBenchConfig, ServeBenchConfig
 
 ARGS = ["serve-bench", "--model", "tiny-llama", "--clients", "2", "--turns", "3", "--context", "200",
         "--tool-tokens", "24", "--max-tokens", "4", "--probe-tokens", "0", "--check", "1", "--block-size",
@@ -53,6 +53,27 @@ def test_vllm_peer_runs_the_same_workload(tmp_path):
     assert result["peer"]["persist"] == {}
 
 
+@pytest.mark.skipif(built() is None,
+                    reason="llama-server is not built: `make llamacpp` (~5 min once; CI builds it)")
+def test_batch_bench_runs_its_levels_against_llama_server_in_the_same_run(tmp_path):
+    """`serve-batch-bench --peer llama-server`: each level against a llama-server with one slot per
+    stream, beside our batched and unbatched workers; our tokens/s over its, per level."""
+    assert main(["serve-batch-bench", "--model", "tiny-llama", "--methods", "bf16", "--streams", "1,3",
+                 "--requests", "1", "--level-requests", "3", "--prompt-tokens", "40", "--max-tokens", "6",
+                 "--probe-tokens", "60", "--budget-sequences", "2", "--budget-streams", "2",
+                 "--peer", "llama-server", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "tiny-llama.json").read_text())
+    levels = result["peer"]["levels"]
+    assert [x["streams"] for x in levels] == [1, 3] and "error" not in result["peer"]
+    assert all(x["requests"] == 3 and x["errors"] == 0 and x["tokens"] > 0 for x in levels)
+    ratios = result["summary"]["bf16"]["vs_peer"]
+    ours = {x["streams"]: x["tokens_per_s"] for x in result["methods"]["bf16"]["batched"]["levels"]}
+    assert ratios == {str(n): ours[n] / x["tokens_per_s"] for n, x in zip((1, 3), levels)}
+    assert "| llama-server | 3 |" in (tmp_path / "tiny-llama.md").read_text()
+
+
 def test_unknown_peer_is_refused_by_the_config():
     with pytest.raises(ValueError, match="unknown serve-bench peer 'sglang'"):
         ServeBenchConfig(peer="sglang")
+    with pytest.raises(ValueError, match="unknown serve-batch-bench peer 'vllm'"):
+        BatchBenchConfig(peer="vllm")
