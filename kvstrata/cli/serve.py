@@ -9,8 +9,8 @@ from kvstrata.place.prefix_server import EXACT, ReplayTokens
 from kvstrata.serve.config import RETENTIONS, ServeConfig
 
 DAY_S = 86400.0
-REPLAY_HELP = (f"tokens replayed on an SWA miss, or '{EXACT}': the sliding layers' receptive field, whose "
-               "answers equal a full recompute's (default: 2 sliding windows, bounded and approximate)")
+REPLAY_HELP = (f"tokens replayed on an SWA miss, or '{EXACT}': the receptive field of the sliding windows, "
+               "whose answers equal a cold run's (default: 2 sliding windows, bounded and approximate)")
 
 
 def replay_tokens(text: str) -> ReplayTokens:

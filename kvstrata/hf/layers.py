@@ -102,13 +102,17 @@ class CompressedLayer(CacheLayerMixin):
         first = self.cumulative_length == 0 or self.rebuilding
         self.rebuilding = False
         view = None
-        if offer and self.reads_views and key_states.shape[-2] == 1 and not first:
+        skip = self._known(key_states.shape[-2])
+        if offer and self.reads_views and key_states.shape[-2] == 1 and not first and not skip:
             view, past_k, past_v = self.view(), self.keys, self.values
             self.read_prefix = (self.generation, view.tokens)
         else:
             past_k, past_v = self.dense()
-            self.read_prefix = (self.generation, past_k.shape[-2] - self.keys.shape[-2])
-        skip = self._known(key_states.shape[-2])
+            if skip:  # a replay: the positions before the chunk as held, the chunk's own K/V as computed
+                past_k, past_v = (t[..., :self.cumulative_length, :] for t in (past_k, past_v))
+            encoded = self.stored_tokens() - self.keys.shape[-2]
+            self.read_prefix = (self.generation, min(past_k.shape[-2], encoded))
+        attend_k, attend_v = key_states, value_states  # the cold run's prefill chunk attends these too
         self.cumulative_length += key_states.shape[-2]
         key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
@@ -125,7 +129,7 @@ class CompressedLayer(CacheLayerMixin):
             else:
                 self._flush()
         # New tokens are attended in full precision now; later steps read them encoded.
-        return torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2), view
+        return torch.cat([past_k, attend_k], dim=-2), torch.cat([past_v, attend_v], dim=-2), view
 
     def load_prefill(
         self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores: torch.Tensor | None = None
@@ -258,10 +262,12 @@ class CompressedLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Held entries sit just before the queries (evicted or windowed-out tokens shift them right),
         # so causality among new tokens holds while positions (RoPE) continue from the full length.
-        # During a replay the held entries are exactly positions [0, stored): offset 0.
+        # During a replay the queries read the held positions before them and their own K/V
+        # (`update`), as the cold run's prefill chunk did: offset 0.
+        if self._known(query_length):
+            return self.cumulative_length + query_length, 0
         stored = self.stored_tokens()
-        skip = self._known(query_length)
-        return stored + query_length - skip, max(0, self.cumulative_length + skip - stored)
+        return stored + query_length, max(0, self.cumulative_length - stored)
 
     def start_replay(self, position: int) -> None:
         """A replay: this layer holds (or will rebuild) its tokens; positions from `position`

@@ -61,24 +61,23 @@ def store_boundary(n: int, block: int | None) -> int | None:
     return (n - 1) // block * block if block else None
 
 
-def chunk_end(pos: int, n: int, chunk: int | None, block: int | None, held: int = 0) -> int:
+def chunk_end(pos: int, n: int, chunk: int | None, block: int | None) -> int:
     """Where the chunk of an `n`-token prompt starting at `pos` ends: after at most `chunk` tokens
-    (None: the rest), never across a multiple of `block` from `held` on (a replay recomputes the
-    positions before it, which the store held) up to `store_boundary` -- where a server seals the
-    cache and stores blocks.
-    The one rule `generate` and `kvstrata serve` both cut by: a lossy cache encodes a prompt by its
-    chunks."""
+    (None: the rest), never across a multiple of `block` up to `store_boundary` -- where a server
+    seals the cache and stores blocks.
+    The one rule `generate` and `kvstrata serve` both cut by (a replay too): a lossy cache encodes
+    a prompt by its chunks, and a chunk attends its own K/V before they are encoded."""
     end = n if chunk is None else min(n, pos + chunk)
     last = store_boundary(n, block)
     if last is not None and pos < last:
-        end = min(end, held if pos < held else (pos // block + 1) * block)
+        end = min(end, (pos // block + 1) * block)
     return end
 
 
-def sealed_at(pos: int, n: int, block: int | None, held: int = 0) -> bool:
+def sealed_at(pos: int, n: int, block: int | None) -> bool:
     """Whether a prompt fed up to `pos` stands on a block boundary a server seals (`held.seal`)."""
     last = store_boundary(n, block)
-    return last is not None and 0 < pos <= last and pos >= held and pos % block == 0
+    return last is not None and 0 < pos <= last and pos % block == 0
 
 
 def prefill_spans(n: int, chunk: int | None, block: int | None, start: int = 0) -> list[tuple[int, int]]:

@@ -3,12 +3,13 @@ bounded replay.
 
 - hit:    global KV and the SWA state at the last hit block are installed; only the rest of the
           prompt runs.
-- replay: global KV hit, SWA state gone: the last `n_win` tokens of the cached prefix run again,
-          full-attention layers reading the cached global KV (and not re-appending it), sliding
-          layers rebuilding their window from the replayed tokens -- never a full prefill. By
-          default `n_win` is two sliding windows (bounded: an approximation, see
-          `exact_replay_tokens`); `n_win="exact"` replays the sliding layers' whole receptive field,
-          so the rebuilt windows are what a replay of the whole prefix would give.
+- replay: global KV hit, SWA state gone: the last `n_win` tokens of the cached prefix (from the
+          block boundary at or before them) run again in the cold run's chunks, full-attention
+          layers reading the cached global KV before each chunk and the chunk's own K/V as a cold
+          run does (not re-appending them), sliding layers rebuilding their window from the
+          replayed tokens -- never a full prefill. By default `n_win` is two sliding windows
+          (bounded: an approximation, see `exact_replay_tokens`); `n_win="exact"` replays the
+          receptive field of the sliding layers' windows, so they are the cold run's.
 - miss:   full prefill.
 New complete blocks (global KV) and the SWA state at the last block boundary are written back.
 Records carry the codes as the cache held them (`kvstrata.place.block_format`): a write cuts
@@ -27,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from kvstrata.codecs.transform import Transform
 from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
 from kvstrata.hf.held import Held, cut, install, seal
 from kvstrata.hf.run import chunk_end, forward, sealed_at, store_boundary
@@ -48,24 +50,34 @@ def weights_digest(model) -> str:
 
 
 EXACT = "exact"
+WHOLE = 1 << 62  # a replay of the whole cached prefix
 ReplayTokens = int | Literal["exact"] | None  # how many tokens a replay reruns (None: 2 sliding windows)
 
 
-def exact_replay_tokens(classes: list[tuple[str, int | None]]) -> int:
-    """Tokens a replay must rerun so every sliding layer's rebuilt window is exact: the sum over
-    sliding layers of `window - 1`. A token's K/V at the k-th sliding layer depends, through the
-    k - 1 sliding layers below it, on tokens up to (k - 1)(window - 1) back (full layers read the
-    cached global KV, so they add nothing); the window held at the prefix's end reaches window - 1
-    further back. One token fewer changes the last sliding layer's window."""
-    return sum(w - 1 for c, w in classes if c == "sliding")
+def exact_replay_tokens(classes: list[tuple[str, int | None]], block: int = 1) -> int:
+    """Tokens a replay must rerun so every sliding layer's rebuilt window is the cold run's: the sum
+    over sliding layers of `window - 1`, plus `block - 1` for each full layer below a sliding one.
+    A token's K/V at the k-th sliding layer depends on the tokens up to `window - 1` back at each
+    sliding layer below it, and up to `block - 1` back at each full layer below it (a chunk, cut at
+    block boundaries, attends its own K/V as computed; the positions before it, the cached global
+    KV); the window held at the prefix's end reaches `window - 1` further back."""
+    top = max((i for i, (c, _) in enumerate(classes) if c == "sliding"), default=0)
+    full_below = sum(c != "sliding" for c, _ in classes[:top])
+    return sum(w - 1 for c, w in classes if c == "sliding") + full_below * (block - 1)
 
 
-def replay_window(classes: list[tuple[str, int | None]], n_win: ReplayTokens) -> int:
-    """`n_win` as a token count: "exact" (`exact_replay_tokens`), None (two of the longest sliding
-    window: bounded), or a count of at least one sliding window."""
+def fits_on_data(recipe) -> bool:
+    """Whether a recipe's transforms fit their state on the first tokens a layer encodes (centering,
+    smoothing, outliers): a sliding layer rebuilt from a later token fits another state."""
+    return any(type(t).fit is not Transform.fit for t in recipe.transforms)
+
+
+def replay_window(classes: list[tuple[str, int | None]], n_win: ReplayTokens, block: int = 1) -> int:
+    """`n_win` as a token count: "exact" (`exact_replay_tokens` at this store block), None (two of
+    the longest sliding window: bounded), or a count of at least one sliding window."""
     windows = [w for c, w in classes if c == "sliding"]
     if n_win == EXACT:
-        return exact_replay_tokens(classes)
+        return exact_replay_tokens(classes, block)
     if n_win is None:
         return 2 * max(windows, default=0)
     if isinstance(n_win, str) or n_win < 0:
@@ -119,12 +131,12 @@ class Prefill:
     def next_chunk(self, limit: int | None = None) -> list[int]:
         """The next tokens to feed (at most `limit`, None: as many as the boundary allows)."""
         limit = None if self.whole else limit
-        return self.ids[self.pos:chunk_end(self.pos, len(self.ids), limit, self.block, self.reused_tokens)]
+        return self.ids[self.pos:chunk_end(self.pos, len(self.ids), limit, self.block)]
 
     def fed(self, n: int) -> None:
         """`n` more tokens ran through the model into `cache`."""
         self.pos += n
-        if sealed_at(self.pos, len(self.ids), self.block, self.reused_tokens):
+        if sealed_at(self.pos, len(self.ids), self.block):
             seal(self.cache, self.block)
         if self.boundary is not None and self.pos == self.boundary[0]:
             t = time.perf_counter()
@@ -160,7 +172,10 @@ class PrefixServer:
         self.spec = parse_method(method)
         check_store(self.spec)
         self.classes = layer_classes(model.config)
-        self.n_win = replay_window(self.classes, n_win)
+        self.n_win = replay_window(self.classes, n_win, block_size)
+        sliding = [self.spec.recipe(c, i) for i, (c, _) in enumerate(self.classes) if c == "sliding"]
+        if n_win == EXACT and any(map(fits_on_data, sliding)):
+            self.n_win = WHOLE  # a rebuilt window's transforms fit on its first tokens: a cold run's, from 0
         self.dtype = next(model.parameters()).dtype
         fp = fingerprint or model_fingerprint(model.config.to_dict(), weights_digest(model))
         self.ns = namespace(fp, render(self.spec), str(self.dtype))
@@ -240,7 +255,7 @@ class PrefixServer:
         windows = self._open(swa, TierClass.SWA, None) if swa is not None else None
         live = windows is not None or not sliding
         kind = ServeKind.HIT if live else ServeKind.REPLAY
-        start = P if live else max(0, P - self.n_win)
+        start = P if live else max(0, P - self.n_win) // self.block * self.block  # where a cold run cut
         like = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
         try:
             for i, layer in enumerate(cache.layers):

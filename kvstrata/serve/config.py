@@ -32,8 +32,8 @@ class ServeConfig:
     batching: bool = True  # False: one request per forward (the unbatched worker, for comparison)
     request_timeout_s: float = 300.0  # deadline per request, from its arrival
     default_max_tokens: int = 256  # when a request names none (capped by the context left)
-    # tokens replayed on an SWA miss: a count, "exact" (the sliding layers' receptive field: answers
-    # equal a full recompute's) or None (2 sliding windows: bounded, approximate)
+    # tokens replayed on an SWA miss: a count, "exact" (the receptive field of the sliding windows:
+    # answers equal a cold run's) or None (2 sliding windows: bounded, approximate)
     replay_tokens: ReplayTokens = None
     default_retention: str = "24h"  # retention class of requests that name none
     memory_global_gb: float = 1.0  # RAM for global KV of `prompt_cache_retention: "in_memory"` requests

@@ -2,7 +2,7 @@
 
 With the store, each tenant salt gets its own `PrefixServer` (same model, store, method and model
 fingerprint; computed once) -- longest global-KV prefix hit, SWA state when live, a replay when not
-(bounded, or `replay_tokens="exact"`: the sliding layers' whole receptive field), full prefill on a
+(bounded, or `replay_tokens="exact"`: the sliding windows' receptive field, as a cold run), full prefill on a
 miss. Without it, every prompt is one full prefill and nothing is written: what a server without
 kvstrata's store does, for `serve-bench`'s ratio.
 """

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import openai
 import torch
-from greedy_helpers import NEAR_TIE, REPLAY_NEAR_TIE, agree_but_near_ties, apart_at
 
 from kvstrata.hf.run import eos_ids
 from kvstrata.names import Retention
@@ -21,9 +20,16 @@ from kvstrata.serve.write_behind import WriteBehindStore
 from kvstrata_lab.serve_bench.process import ServerProcess
 
 BLOCK = 16  # tokens per block: small, so short prompts span several
-# an SWA miss replays the tiny Gemma-3's receptive field (`--replay-tokens exact`: 3 sliding layers x
-# 15 tokens before each one's window), so a replayed answer is the cold run's
-REPLAY, REPLAYED = "exact", 45
+# an SWA miss replays the tiny Gemma-3's receptive field (`--replay-tokens exact`: 15 tokens before
+# each of its 3 sliding layers' windows, a block less one for the full layer below the last one), so
+# a replayed answer is the cold run's
+REPLAY, REPLAYED = "exact", 3 * 15 + BLOCK - 1
+
+
+def replay_start(held: int) -> int:
+    """Where a replay of a `held`-token cached prefix starts: the block boundary at or before the
+    receptive field (the cold run's chunks start there)."""
+    return max(0, held - REPLAYED) // BLOCK * BLOCK
 
 
 def start_server(
@@ -60,6 +66,13 @@ def text_of(n: int, seed: int = 0) -> str:
     while len(" ".join(out)) < n:
         out.append(words[int(torch.randint(len(words), (1,), generator=g))])
     return " ".join(out)[:n]
+
+
+def apart_at(got: list[int], want: list[int]) -> int | None:
+    """The first step where two greedy answers differ (None: equal)."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
 # --- the worker in-process (batched vs unbatched) -------------------------------------------------
@@ -167,15 +180,12 @@ def generated(model, ids: list[int], method: str, max_tokens: int, **cuts) -> tu
 
 def generate_disagreements(model, method, answers: list[tuple[str, str]]) -> list[tuple[str, int, float]]:
     """`scenario`'s answers that are not `kvstrata generate`'s (cut as the scenario's server cuts: its
-    chunk and store block) but where generate's choice was a near-tie (`greedy_helpers`; a lossy
-    replay is an approximation, held to `REPLAY_NEAR_TIE`): (kind, first differing token,
-    generate's lead there) each."""
+    chunk and store block): (kind, first differing token, generate's lead over its runner-up there)
+    each."""
     out = []
     for (ids, m), (text, kind) in zip([r for phase in scenario_requests() for r in phase], answers):
         want, leads = generated(model, ids, method, m, prefill_chunk=CHUNK, store_block=STORE_BLOCK)
         got = [int(t) for t in text.split(",")] if text else []
-        near = REPLAY_NEAR_TIE if kind == "replay" and method != "bf16" else NEAR_TIE
-        if not agree_but_near_ties(got, want, leads, near):
-            i = apart_at(got, want)
+        if (i := apart_at(got, want)) is not None:
             out.append((kind, i, leads[i] if i < len(leads) else 0.0))
     return out

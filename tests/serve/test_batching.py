@@ -50,8 +50,8 @@ def test_batched_answers_equal_unbatched_ones(arch, spec, tiny_llama, tiny_gemma
     kinds = [k for _, k in batched]
     assert kinds[:4] == ["miss"] * 4 and kinds[4:7] == ["hit"] * 3
     assert kinds[7:] == (["replay"] * 2 if arch == "gemma3" else ["hit"] * 2)  # Llama has no SWA state
-    # `kvstrata generate` cuts and seals a prompt where the server does, so its lossy cache holds the
-    # same codes: the answers are its answers (or apart from a near-tie on: `greedy_helpers`)
+    # `kvstrata generate` cuts and seals a prompt where the server does, and a replay reruns the cold
+    # run's chunks, so every lossy cache holds the same codes: the answers are its answers
     assert generate_disagreements(model, spec, batched) == []
 
 

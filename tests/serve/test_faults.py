@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from redis_helpers import RedisServer
-from serve_helpers import REPLAYED, client, greedy_reference, start_server, text_of
+from serve_helpers import client, greedy_reference, replay_start, start_server, text_of
 
 from kvstrata.place.config import StoreConfig
 from kvstrata.place.store import KVStore
@@ -86,14 +86,14 @@ def test_corrupt_record_restart_and_swa_expiry(model_dirs, tmp_path, reference):
         oa = client(b)
         after = ask(oa, y)  # global KV from disk, SWA state lost with the old process: a replay
         assert after.kvstrata["kind"] == "replay" and after.kvstrata["reused_tokens"] == 144
-        assert after.kvstrata["computed_tokens"] == 150 - (144 - REPLAYED)
+        assert after.kvstrata["computed_tokens"] == 150 - replay_start(144)
         assert after.choices[0].text == answer_y == reference(y)
         assert ask(oa, x).kvstrata["reused_tokens"] == 64  # the rewritten records read back from disk too
         b.wait_written()
         time.sleep(4)  # past the SWA TTL: the pool drops the state the replay rebuilt
         later = ask(oa, y + " more")
         assert later.kvstrata["kind"] == "replay" and later.choices[0].text == reference(y + " more")
-        assert later.usage.prompt_tokens_details.cached_tokens == 144 - REPLAYED
+        assert later.usage.prompt_tokens_details.cached_tokens == replay_start(144)
         assert b.metric("kvstrata_store_expired_total", tier="swa") >= 1
     finally:
         b.stop()

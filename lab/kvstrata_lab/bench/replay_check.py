@@ -5,7 +5,7 @@ Random prompts (natural text at several seeds) are cut at random split points: t
 ended there, so the store holds its whole blocks and the SWA state at its last one, and the next
 turn adds `turn_tokens` tokens. That next turn is served cold (an empty store: a full prefill), as
 a hit (global KV and SWA state installed) and, with the SWA state gone, as a bounded replay of
-1 / 2 / 4 sliding windows and as an exact replay (the sliding layers' receptive field,
+1 / 2 / 4 sliding windows and as an exact replay (the receptive field of the sliding windows,
 `exact_replay_tokens`). From every served cache N
 decode steps are fed the cold run's greedy tokens, so each step's next-token distribution is
 compared with the cold run's on the same history: KL, and whether its greedy token is the cold
@@ -124,7 +124,7 @@ def check_split(model, fingerprint: str, cfg: ReplayCheckConfig, ids: list[int],
         hit_s = served.ttft_s if mode == "hit" else hit_s
         rows.append({
             "mode": mode, "split": split, "reused": served.reused_tokens,
-            "n_win": replay_window(classes, n_win) if mode != "hit" else 0,
+            "n_win": replay_window(classes, n_win, cfg.block) if mode != "hit" else 0,
             "replayed": served.computed_tokens - (len(prompt) - served.reused_tokens),
             "kl": kl.tolist(), "top1": agree.double().mean().item(), "same_greedy": bool(agree.all()),
             "ttft_s": served.ttft_s, "cold_s": cold.ttft_s, "over_cold": served.ttft_s / cold.ttft_s,
@@ -166,8 +166,8 @@ def markdown(result: dict, command: str) -> str:
         f"{cfg['tokens'] - cfg['turn_tokens']:,}] tokens (where the turn before ended; the store holds its "
         f"{cfg['block']}-token blocks), then a turn of {cfg['turn_tokens']} tokens served each way and "
         f"{cfg['new_tokens']} decode steps each fed the cold run's greedy tokens. "
-        + (f"Sliding window {result['window']}, exact replay {result['exact_tokens']:,} tokens (capped "
-           "at the cached prefix). " if result["window"] else "")
+        + (f"Sliding window {result['window']}, exact replay {result['exact_tokens']:,} tokens (from the "
+           "block boundary at or before them, capped at the cached prefix). " if result["window"] else "")
         + f"Cold prefill TTFT (median) {result['cold_s']:.3f} s.", "",
         "```bash", command, "```", "",
     ]
@@ -206,7 +206,7 @@ def run(cfg: ReplayCheckConfig, out: Path) -> dict:
             rows += [{"prompt": p, **r} for r in check_split(model, fingerprint, cfg, ids, split)]
     window = max((w for c, w in classes if c == "sliding"), default=0)
     result = {
-        "config": asdict(cfg), "window": window, "exact_tokens": replay_window(classes, EXACT),
+        "config": asdict(cfg), "window": window, "exact_tokens": replay_window(classes, EXACT, cfg.block),
         "cold_s": statistics.median(r["cold_s"] for r in rows), "summary": summarize(rows), "rows": rows,
     }
     out.mkdir(parents=True, exist_ok=True)
