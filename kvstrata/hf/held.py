@@ -74,12 +74,10 @@ def seal(cache, block: int) -> None:
             continue
         n = layer.keys.shape[-2]
         if n and not layer.is_sliding:
-            start = layer.sink_held + sum(seg.visible for seg in layer.segments)
-            fitted = layer.fit()
+            start = layer.stored_tokens() - n
             edges = [start, *range((start // block + 1) * block, start + n, block), start + n]
-            for a, b in zip(edges, edges[1:]):
-                k, v = (t[..., a - start:b - start, :] for t in (layer.keys, layer.values))
-                layer.segments.append(encode_segment(layer.recipe, k, v, fitted))
+            blocks = [cut(layer, a, b, encode_tail=True).segments for a, b in zip(edges, edges[1:])]
+            layer.segments += [seg for segs in blocks for seg in segs]
             layer.keys, layer.values = (t[..., :0, :].clone() for t in (layer.keys, layer.values))
         layer.shrink()
 

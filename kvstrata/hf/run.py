@@ -167,7 +167,7 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
     with torch.inference_mode(), reading(model, cache, spec):
         for a, b in spans:
             logits = forward(model, prompt_ids[:, a:b], cache)[:, -1]
-            if len(spans) > 1 and sealed_at(b, n, block):
+            if sealed_at(b, n, block):  # never the last span's end (the prompt's last token)
                 seal(cache, block)
             _TRIM(0)
     new, rows = decode_steps(model, cache, logits, max_new_tokens, spec, stop=eos_ids(model))
