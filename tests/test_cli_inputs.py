@@ -356,6 +356,26 @@ def test_report_names_bad_rows_and_skips_them_only_when_asked(tmp_path, capsys):
     assert "**4 malformed row(s) of results.jsonl were skipped**" in (tmp_path / "report.md").read_text()
 
 
+def test_report_times_its_headline_by_another_run_and_remembers_it(tmp_path, capsys):
+    rows = (ROOT / "docs/results/speed-headline/results.jsonl").read_text().splitlines()
+    big, fast = tmp_path / "big", tmp_path / "fast"
+    for d in (big, fast):
+        d.mkdir()
+    (big / "results.jsonl").write_text("\n".join(r for r in rows if '"static"' not in r) + "\n")
+    (fast / "results.jsonl").write_text("\n".join(rows) + "\n")
+    assert main(["report", str(big), "--decode-from", str(tmp_path / "none")]) == 2  # checked before a write
+    assert "--decode-from" in capsys.readouterr().err
+    assert sorted(p.name for p in big.iterdir()) == ["results.jsonl"]
+    assert main(["report", str(big)]) == 0
+    own = (big / "headline.md").read_text()
+    assert main(["report", str(big), "--decode-from", str(fast)]) == 0
+    timed = (big / "headline.md").read_text()
+    assert json.loads((big / "meta.json").read_text())["decode_from"] == "../fast"
+    assert timed != own  # static is faster than dynamic there: the bar moved
+    (big / "headline.md").unlink()
+    assert main(["report", str(big)]) == 0 and (big / "headline.md").read_text() == timed  # remembered
+
+
 def test_allocation_failures_and_long_messages_are_one_clear_line():
     from kvstrata.cli import one_line
 

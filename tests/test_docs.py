@@ -99,7 +99,7 @@ def test_readme_headline_is_the_reports():
     table = _rows((ROOT / path[1]).read_text())
     start = path.end()
     shown = _rows(text[start : text.index("<!-- /headline -->")])
-    legend = ": ×smaller / retrieval / decode ×dynamic"
+    legend = ": ×smaller / retrieval / decode ×fastest stock"
     assert shown[0] == [c.removesuffix(legend) for c in table[0]] and all(legend in c for c in table[0][1:])
     assert shown[1:] == table[1:]
 

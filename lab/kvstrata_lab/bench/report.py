@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import os
 import re
 from pathlib import Path
 
@@ -157,21 +158,25 @@ def plots(summary: dict, out: Path) -> list[Path]:
     return paths
 
 
-def write_report(out: Path, skip_bad: bool = False) -> Path:
+def write_report(out: Path, skip_bad: bool = False, decode_from: Path | None = None) -> Path:
     """Write report.md, plot_*.png and report.html into `out`; returns the Markdown path. Bad rows
-    of results.jsonl are refused, or with `skip_bad` left out and their number stated."""
+    of results.jsonl are refused, or with `skip_bad` left out and their number stated. `decode_from`:
+    a bench directory whose rows time the headline's decode column (recorded in meta.json, so a
+    later `kvstrata report` of `out` writes the same headline)."""
     rows, skipped = load_results(out, skip_bad)
     if not rows:
         raise ValueError(f"{out}/results.jsonl has no rows")
     summary = summarise(rows)
-    runs = (
-        json.loads((out / "meta.json").read_text()).get("runs", [{}])
-        if (out / "meta.json").exists()
-        else [{}]
-    )
-    meta = runs[-1]
+    if decode_from is not None:
+        record_decode_source(out, decode_from)
+    stored = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    meta = stored.get("runs", [{}])[-1]
+    timed = out / stored["decode_from"] if stored.get("decode_from") else None
     note = _protocol_note(meta) + (
         f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n" if skipped else ""
+    ) + (
+        f"\nThe headline's decode column is timed by the rows of `{stored['decode_from']}` (a speed run on "
+        "the same tasks with `static` beside `dynamic`).\n" if timed else ""
     )
     given = ReportInput(out, rows, summary, skip_bad)
     md = ["# kvstrata benchmark report\n", note, markdown(summary)] + [section(given) for section in SECTIONS]
@@ -183,9 +188,23 @@ def write_report(out: Path, skip_bad: bool = False) -> Path:
     headline_keys = sorted(k for k, v in summary.items() if "dynamic" in v["methods"] and k[1] >= 4096)
     pts = frontier.points(given)
     best = tuple(p["method"] for k in headline_keys for p in pts.get(k, []) if p["frontier"])
-    (out / "headline.md").write_text(speed.headline(summary, rows, headline_keys, best))
+    decode_rows = load_results(timed, skip_bad)[0] if timed else None
+    (out / "headline.md").write_text(speed.headline(summary, rows, headline_keys, best, decode_rows))
     (out / "report.html").write_text(_html("\n".join(md[:2]), sections, pngs, out))
     return out / "report.md"
+
+
+def record_decode_source(out: Path, decode_from: Path) -> None:
+    """Store in `out`/meta.json which bench directory times the headline's decode column, as a path
+    relative to `out` (the two directories move together)."""
+    if not (decode_from / "results.jsonl").exists():
+        raise FileNotFoundError(
+            f"--decode-from {decode_from}: holds no benchmark results (results.jsonl is missing)"
+        )
+    path = out / "meta.json"
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored["decode_from"] = os.path.relpath(decode_from.resolve(), out.resolve())
+    path.write_text(json.dumps(stored, indent=1))
 
 
 def _protocol_note(meta: dict) -> str:

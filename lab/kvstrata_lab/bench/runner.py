@@ -147,5 +147,6 @@ def _write_meta(cfg: BenchConfig) -> None:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     path = cfg.out / "meta.json"
-    runs = json.loads(path.read_text()).get("runs", []) if path.exists() else []
-    path.write_text(json.dumps({"runs": runs + [meta]}, indent=1))
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored["runs"] = stored.get("runs", []) + [meta]  # other keys (the report's decode source) kept
+    path.write_text(json.dumps(stored, indent=1))

@@ -81,19 +81,23 @@ def report_section(given: ReportInput) -> str:
 
 
 HEADLINE = (
-    "dynamic", "bf16", "fp8", "int4:r=32", "nvfp4", "mxfp4", "int2:r=32", "streaming:keep=0.28",
+    "dynamic", "static", "bf16", "fp8", "int4:r=32", "nvfp4", "mxfp4", "int2:r=32", "streaming:keep=0.28",
     "snapkv:keep=0.28", "qcache:quanto:int4", "qcache:hqq:int4", "llamacpp:f16", "llamacpp:q8_0",
     "llamacpp:q4_0",
 )
 
 
-def headline(summary: dict, rows: list[dict], keys: list[tuple[str, int]], best: tuple[str, ...] = ()) -> str:
+def headline(
+    summary: dict, rows: list[dict], keys: list[tuple[str, int]], best: tuple[str, ...] = (),
+    decode_rows: list[dict] | None = None,
+) -> str:
     """README's table: for each (model, length) in `keys`, per method (the stock ones, then `best`:
     those on a frontier) ×smaller than bf16 / retrieval on the usable tasks / decode s per token as a
-    multiple of `dynamic`'s (paired)."""
-    table = ratios(rows)
+    multiple of the fastest stock row's (paired, same run of a cell), timed on `decode_rows` when
+    given (a speed run on the same tasks that ran `static` beside `dynamic`), else on `rows`."""
+    table = ratios(rows if decode_rows is None else decode_rows)
     keys = [k for k in keys if k in summary]
-    head = ["method"] + [f"{m} {L // 1024}k: ×smaller / retrieval / decode ×dynamic" for m, L in keys]
+    head = ["method"] + [f"{m} {L // 1024}k: ×smaller / retrieval / decode ×fastest stock" for m, L in keys]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in dict.fromkeys(HEADLINE + best):
         if not any(m in summary[k]["methods"] for k in keys):
@@ -101,7 +105,7 @@ def headline(summary: dict, rows: list[dict], keys: list[tuple[str, int]], best:
         cells = [f"`{m}`"]
         for k in keys:
             r = summary[k]["methods"].get(m)
-            speed = table.get(k, {}).get(m, {}).get("dynamic")
+            speed = table.get(k, {}).get(m, {}).get("stock")
             cells.append(
                 "–"
                 if r is None

@@ -41,6 +41,10 @@ def register(sub) -> None:
     rp.add_argument("--skip-bad", action="store_true",
                     help="leave out malformed rows of results.jsonl (counted in the report) instead of "
                          "refusing the file")
+    rp.add_argument("--decode-from", metavar="DIR",
+                    help="time the headline's decode column (× the fastest stock row) with DIR's rows: a "
+                         "speed run on the same tasks that ran `static` beside `dynamic`; remembered in "
+                         "meta.json")
     rp.set_defaults(func=report)
 
     cl = sub.add_parser("check-lengths", help="list a bench directory's rows not fed at their nominal length")
@@ -115,7 +119,8 @@ def bench(args) -> int:
 def report(args) -> int:
     from kvstrata_lab.bench.report import write_report
 
-    print(write_report(Path(args.dir), skip_bad=args.skip_bad))
+    decode_from = Path(args.decode_from) if args.decode_from else None
+    print(write_report(Path(args.dir), skip_bad=args.skip_bad, decode_from=decode_from))
     return 0
 
 

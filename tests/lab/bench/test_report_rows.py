@@ -4,7 +4,7 @@ import pytest
 
 from kvstrata_lab.bench import frontier
 from kvstrata_lab.bench.results import ReportInput, summarise
-from kvstrata_lab.bench.speed import ratios
+from kvstrata_lab.bench.speed import headline, ratios
 
 BF16 = 23040.0
 
@@ -63,6 +63,23 @@ def test_the_fastest_stock_row_is_the_bar_cell_by_cell():
     assert table["x"]["n stock"] == 2 and table["x"]["stock"] == pytest.approx((0.12 + 0.05) / (0.08 + 0.10))
     assert table["static"]["stock"] == pytest.approx(1.0)
     assert table["dynamic"]["stock"] == pytest.approx(0.20 / 0.18)
+
+
+def test_the_headline_times_decode_against_the_fastest_stock_row_of_its_speed_run():
+    # quality from the big run (no static row there), times from a speed run that ran static beside dynamic
+    big = [row(m, "single", i, b, decode=d, run="q") for i in range(4)
+           for m, b, d in (("dynamic", 2 * BF16, 0.10), ("bf16", BF16, 0.09), ("nvfp4", BF16 / 4, 0.20))]
+    fast = [row(m, "single", i, decode=d, run=f"s{i}") for i in range(2)
+            for m, d in (("dynamic", 0.10), ("static", 0.05), ("bf16", 0.06), ("nvfp4", 0.07))]
+    summary, key = summarise(big), ("m", 4096)
+    own = headline(summary, big, [key])
+    assert "decode ×fastest stock" in own
+    assert "| `nvfp4` | 4.00 / 1.00 / 2.00 |" in own  # only dynamic ran there
+    timed = headline(summary, big, [key], decode_rows=fast)
+    assert "| `nvfp4` | 4.00 / 1.00 / 1.40 |" in timed and "| `dynamic` | 0.50 / 1.00 / 2.00 |" in timed
+    assert "`static`" not in timed  # a speed-only row has no quality here: not a headline row
+    # a speed run that never timed a method leaves its decode cell empty, not borrowed from elsewhere
+    assert "| `nvfp4` | 4.00 / 1.00 / – |" in headline(summary, big, [key], decode_rows=fast[:3])
 
 
 def test_rows_without_run_ids_pair_by_their_shared_prefill():
