@@ -172,6 +172,7 @@ def write_report(out: Path, skip_bad: bool = False, decode_from: Path | None = N
     stored = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
     meta = stored.get("runs", [{}])[-1]
     timed = out / stored["decode_from"] if stored.get("decode_from") else None
+    decode_rows = load_results(timed, skip_bad)[0] if timed else None  # before anything is written
     note = _protocol_note(meta) + (
         f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n" if skipped else ""
     ) + (
@@ -188,7 +189,6 @@ def write_report(out: Path, skip_bad: bool = False, decode_from: Path | None = N
     headline_keys = sorted(k for k, v in summary.items() if "dynamic" in v["methods"] and k[1] >= 4096)
     pts = frontier.points(given)
     best = tuple(p["method"] for k in headline_keys for p in pts.get(k, []) if p["frontier"])
-    decode_rows = load_results(timed, skip_bad)[0] if timed else None
     (out / "headline.md").write_text(speed.headline(summary, rows, headline_keys, best, decode_rows))
     (out / "report.html").write_text(_html("\n".join(md[:2]), sections, pngs, out))
     return out / "report.md"
