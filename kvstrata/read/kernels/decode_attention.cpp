@@ -113,8 +113,8 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
   }
 }
 
-// Tiles covering the visible tokens of every run in order; channel-grouped keys' tiles stay inside
-// one group so a tile decodes from one block of scales.
+// Tiles covering the visible tokens of every run in order; a channel-grouped run's first tile ends
+// at a group boundary, so every later tile starts on one (and decodes group by group).
 std::vector<Tile> dense_tiles(const std::vector<Run>& K) {
   std::vector<Tile> tiles;
   for (int sgi = 0; sgi < (int)K.size(); sgi++) {
@@ -122,7 +122,7 @@ std::vector<Tile> dense_tiles(const std::vector<Run>& K) {
     int64_t t = r.skip;
     while (t < r.length) {
       int64_t end = std::min<int64_t>(r.length, t + TILE);
-      if (r.channel) end = std::min<int64_t>(end, (t / r.block + 1) * r.block);
+      if (r.channel && t % r.block) end = std::min<int64_t>(end, (t / r.block + 1) * r.block);
       tiles.push_back({sgi, t, (int)(end - t)});
       t = end;
     }
