@@ -313,7 +313,7 @@ inline void decode_tile(const Run& r, int64_t b, int64_t h, const int64_t* rows,
 inline void decode_channel_group(const Run& r, int64_t b, int64_t h, int64_t t0, int n, int d, float* outT) {
   const int bits = int_bits(r.kind);
   const int64_t blk = t0 / r.block, off = t0 % r.block;
-  const int64_t ofs = off * bits / 8;  // the tile's first code byte in the group (off is a tile start)
+  const int64_t ofs = off * bits / 8;  // the first code byte in the group (off: where the piece starts)
   const bool whole = bits != 3 && (off * bits) % 8 == 0;
   float codes[MAX_GROUP];
   for (int ch = 0; ch < d; ch++) {

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata_lab.bench.haystack import special_tokens
+from kvstrata_lab.bench.results import load_meta
 from kvstrata_lab.bench.rows import done_keys, read_rows, row_key
 from kvstrata_lab.bench.tasks import FIDELITY, draw, question_tokens
 
@@ -139,8 +140,7 @@ def _row(line: str) -> dict | None:
 def _seed(out: Path) -> int:
     """The seed the directory's runs used (rows do not record it), from its meta.json."""
     meta = out / "meta.json"
-    seeds = {run.get("seed", 0) for run in json.loads(
-        meta.read_text()).get("runs", [])} if meta.exists() else {0}
+    seeds = {run.get("seed", 0) for run in load_meta(out).get("runs", [])} if meta.exists() else {0}
     if len(seeds) > 1:
         raise ValueError(f"{meta} lists runs with different seeds {sorted(seeds)}: give --seed")
     return seeds.pop() if seeds else 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import os
 import re
 from pathlib import Path
@@ -21,7 +20,16 @@ from kvstrata_lab.bench import (
     v41_prefill,
 )
 from kvstrata_lab.bench.peers import compare
-from kvstrata_lab.bench.results import FAMILY_COLOURS, USABLE, ReportInput, fmt, load_results, summarise
+from kvstrata_lab.bench.results import (
+    FAMILY_COLOURS,
+    USABLE,
+    ReportInput,
+    fmt,
+    load_meta,
+    load_results,
+    save_meta,
+    summarise,
+)
 
 # The report's sections after the main tables, in order: each takes a ReportInput and returns Markdown
 # ('' when its experiment has not run into this directory).
@@ -169,7 +177,7 @@ def write_report(out: Path, skip_bad: bool = False, decode_from: Path | None = N
     summary = summarise(rows)
     if decode_from is not None:
         record_decode_source(out, decode_from)
-    stored = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    stored = load_meta(out)
     meta = stored.get("runs", [{}])[-1]
     timed = out / stored["decode_from"] if stored.get("decode_from") else None
     decode_rows = load_results(timed, skip_bad)[0] if timed else None  # before anything is written
@@ -201,10 +209,9 @@ def record_decode_source(out: Path, decode_from: Path) -> None:
         raise FileNotFoundError(
             f"--decode-from {decode_from}: holds no benchmark results (results.jsonl is missing)"
         )
-    path = out / "meta.json"
-    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored = load_meta(out)
     stored["decode_from"] = os.path.relpath(decode_from.resolve(), out.resolve())
-    path.write_text(json.dumps(stored, indent=1))
+    save_meta(out, stored)
 
 
 def _protocol_note(meta: dict) -> str:

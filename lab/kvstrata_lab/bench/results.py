@@ -38,6 +38,17 @@ def load_results(out: Path, skip_bad: bool) -> tuple[list[dict], int]:
     return read_rows(path, skip_bad)
 
 
+def load_meta(out: Path) -> dict:
+    """A bench directory's meta.json: its runs' settings (`runs`) and the report's decode source
+    (`decode_from`); {} when there is none."""
+    path = out / "meta.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_meta(out: Path, meta: dict) -> None:
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
 def avg(values):
     values = [v for v in values if v is not None]
     return mean(values) if values else None

@@ -21,6 +21,7 @@ from kvstrata_lab.bench.config import DEFAULT_METHODS, QUICK, STOCK, BenchConfig
 from kvstrata_lab.bench.peers import is_peer, parse_peer, qcache
 from kvstrata_lab.bench.peers.llamacpp import run_llamacpp
 from kvstrata_lab.bench.peers.worker_client import run_kvpress
+from kvstrata_lab.bench.results import load_meta, save_meta
 from kvstrata_lab.bench.rows import done_keys
 from kvstrata_lab.bench.tasks import FIDELITY, KNOWN, make_instance
 
@@ -146,7 +147,6 @@ def _write_meta(cfg: BenchConfig) -> None:
         "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    path = cfg.out / "meta.json"
-    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored = load_meta(cfg.out)
     stored["runs"] = stored.get("runs", []) + [meta]  # other keys (the report's decode source) kept
-    path.write_text(json.dumps(stored, indent=1))
+    save_meta(cfg.out, stored)
