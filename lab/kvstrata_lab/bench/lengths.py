@@ -139,8 +139,7 @@ def _row(line: str) -> dict | None:
 
 def _seed(out: Path) -> int:
     """The seed the directory's runs used (rows do not record it), from its meta.json."""
-    meta = out / "meta.json"
-    seeds = {run.get("seed", 0) for run in load_meta(out).get("runs", [])} if meta.exists() else {0}
+    seeds = {run.get("seed", 0) for run in load_meta(out).get("runs", [])}
     if len(seeds) > 1:
-        raise ValueError(f"{meta} lists runs with different seeds {sorted(seeds)}: give --seed")
+        raise ValueError(f"{out / 'meta.json'} lists runs with different seeds {sorted(seeds)}: give --seed")
     return seeds.pop() if seeds else 0
