@@ -33,7 +33,7 @@ from kvstrata.codecs import BF16, Codec, build, coerce_params, spec_of, split_sp
 from kvstrata.codecs.blocks import FITS
 from kvstrata.codecs.transform import DEPTH, Transform
 from kvstrata.keep import KeepPolicy
-from kvstrata.knobs import Knob, choice, field_knobs, integer
+from kvstrata.knobs import Knob, choice, field_knobs, integer, parse_ranges, ranges_text
 from kvstrata.read import TopK
 from kvstrata.registry import REGISTRY
 
@@ -331,36 +331,9 @@ _CLASS = re.compile(r"(full|sliding)\s*=(.*)", re.S | re.I)
 MAX_LAYER = 4096  # beyond any model's depth: an index above it is a typo
 
 
-def parse_ranges(text: str, where: str, what: str, top: int) -> tuple[int, ...]:
-    """`"0-3,7"` -> (0, 1, 2, 3, 7), in order, each once; raises ValueError naming `where` and the
-    bad item (`what`: "a layer index"; `top`: the largest index allowed)."""
-    out: list[int] = []
-    for item in (p.strip() for p in text.split(",")):
-        lo, dash, hi = item.partition("-")
-        if not lo.strip().isdigit() or (dash and not hi.strip().isdigit()):
-            raise ValueError(f"{where}: {item!r} is not {what} or an i-j range")
-        a, b = int(lo), int(hi) if dash else int(lo)
-        if a > b or b > top:
-            raise ValueError(f"{where}: range {item!r} is empty or beyond {top}")
-        out += range(a, b + 1)
-    return tuple(dict.fromkeys(out))
-
-
 def parse_layers(text: str) -> frozenset[int]:
     """`"0-3,7"` -> {0, 1, 2, 3, 7}; raises ValueError naming the bad item."""
     return frozenset(parse_ranges(text, f"layers[{text}]", "a layer index", MAX_LAYER))
-
-
-def ranges_text(layers) -> str:
-    """Inverse of `parse_ranges`: sorted indices -> `"0-3,7"`."""
-    out, start = [], None
-    layers = sorted(layers)
-    for i, x in enumerate(layers):
-        start = x if start is None else start
-        if i + 1 == len(layers) or layers[i + 1] != x + 1:
-            out.append(str(start) if start == x else f"{start}-{x}")
-            start = None
-    return ",".join(out)
 
 
 @lru_cache(maxsize=1024)

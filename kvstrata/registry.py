@@ -2,8 +2,9 @@
 method-level defaults and the tolerance the contract tests hold it to.
 
 Each stratum package registers its own methods with one line each (`kvstrata.codecs`,
-`kvstrata.keep`, `kvstrata.read`); importing `kvstrata` fills the registry. Nothing here imports a
-stratum, so every layer of the library may read it.
+`kvstrata.keep`, `kvstrata.read`); importing `kvstrata.methods` (the spec grammar, which imports every
+stratum) fills it -- `import kvstrata` alone loads nothing heavy. Nothing here imports a stratum, so
+every layer of the library may read it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import pytest
 
+import kvstrata.methods  # noqa: F401 - the spec grammar imports every stratum: the registry is full
 from kvstrata.codecs import INT4, NVFP4, build, get_codec
 from kvstrata.registry import KIVI, REGISTRY, STRATA, Tolerance, classes, entries, register, unregister
 

@@ -16,6 +16,31 @@ PRODUCT = (generate, info, store_admin, chat, serve)
 PLUGINS = "kvstrata.commands"
 
 
+#: help for flags many subcommands share, where a subcommand's own parser gives none
+SHARED_HELP = {
+    "--model": "a known model (`kvstrata models`: smollm2-135m, gemma3-270m, ...), tiny-llama / tiny-gemma3 "
+               "(random weights), or a local model directory",
+    "--method": "method spec (`kvstrata methods`, docs/methods.md), e.g. nvfp4, int4:r=32 or "
+                "nvfp4;sliding=fp8",
+    "--seed": "seed of the generated instances (the same seed gives the same prompts)",
+    "--out": "directory the results are written to (created if missing)",
+    "--haystack": "the filler the needles hide in: noise (random words) or natural (prose)",
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it or there is none to
+    say (None, False, or a positional argument)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default in (None, False, argparse.SUPPRESS)
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with its errors as one line `kvstrata: error: ...` and exit code 2."""
 
@@ -24,12 +49,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="kvstrata", description="KV-cache compression, measured on real models.")
+    p = Parser(prog="kvstrata", description="KV-cache compression, measured on real models.",
+               formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for module in PRODUCT:
         module.register(sub)
     for ep in entry_points(group=PLUGINS):
         ep.load()(sub)
+    for parser in sub.choices.values():
+        parser.formatter_class = HelpFormatter
+        for action in parser._actions:
+            if not action.help and action.option_strings:
+                action.help = SHARED_HELP.get(action.option_strings[0])
     return p
 
 

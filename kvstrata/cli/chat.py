@@ -11,13 +11,17 @@ from kvstrata.cli.serve import REPLAY_HELP, replay_tokens
 def register(sub) -> None:
     ch = sub.add_parser("chat",
                         help="multi-turn session over the persistent store: hit / replay / miss per turn")
-    ch.add_argument("--model", default="gemma3-270m")
-    ch.add_argument("--method", default="nvfp4;sliding=fp8", type=nonempty)
+    ch.add_argument("--model", default="gemma3-270m",
+                    help="a known model (`kvstrata models`), tiny-llama / tiny-gemma3, or a local model "
+                         "directory; gemma3-270m has sliding layers, so a lost SWA state shows a replay")
+    ch.add_argument("--method", default="nvfp4;sliding=fp8", type=nonempty,
+                    help="method spec the store keeps KV in (`kvstrata methods`)")
     ch.add_argument("--script",
                     help="UTF-8 file of turns separated by lines of '---' (default: one turn per stdin line)")
     ch.add_argument("--config", help="store TOML ([store] table); env KVSTRATA_STORE_* also apply")
-    ch.add_argument("--tenant", default="default", type=nonempty)
-    ch.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=32)
+    ch.add_argument("--tenant", default="default", type=nonempty,
+                    help="the store's tenant: its blocks are keyed by it, so another tenant never reads them")
+    ch.add_argument("--max-new-tokens", type=int_in(1, 100_000), default=32, help="most tokens per answer")
     ch.add_argument("--forget-swa-before", type=int_in(1, BIG), nargs="*",
                     help="turn numbers before which the SWA pool is emptied")
     ch.add_argument("--replay-tokens", type=replay_tokens, help=REPLAY_HELP)
@@ -25,6 +29,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from kvstrata.cli.inputs import model_name
+
+    model_name(args.model)  # a mistyped model is named at once (before torch loads)
+
     from kvstrata.cli.inputs import SCRIPT_MAX_BYTES, check_fits
     from kvstrata.methods import parse_method
     from kvstrata.models import check_method, load, load_config, load_tokenizer
@@ -33,7 +41,7 @@ def run(args) -> int:
     from kvstrata.place.prefix_server import PrefixServer
     from kvstrata.user_files import read_text_file
 
-    parse_method(args.method)  # a bad spec is named even when the model or the config is bad too
+    parse_method(args.method)  # then a bad spec, even when the config is bad too
     cfg = StoreConfig.load(args.config)
     script = read_text_file(args.script, "--script", SCRIPT_MAX_BYTES) if args.script else None
     source = script.split("\n---\n") if script is not None else sys.stdin

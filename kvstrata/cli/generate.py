@@ -16,7 +16,7 @@ def register(sub) -> None:
     g.add_argument("--method", default="bf16", type=nonempty,
                    help="method spec, e.g. nvfp4:r=64 or nvfp4;sliding=fp8")
     src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", type=nonempty)
+    src.add_argument("--prompt", type=nonempty, help="the prompt text")
     src.add_argument("--prompt-file", help="a UTF-8 text file (at most 16 MiB)")
     g.add_argument("--max-new-tokens", type=int_in(1, BIG), default=GenerateConfig.max_new_tokens,
                    help="with the prompt, within the model's context")
@@ -35,12 +35,16 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from kvstrata.cli.inputs import model_name
+
+    model_name(args.model)  # a mistyped model is named at once (before torch loads)
+
     from kvstrata.cli.inputs import check_fits, prompt_text
     from kvstrata.hf.run import generate, peak_rss_mb
     from kvstrata.methods import parse_method
     from kvstrata.models import check_method, load_config, load_model, load_tokenizer
 
-    parse_method(args.method)  # a bad spec is named even when the model is bad too
+    parse_method(args.method)  # then a bad spec, before the tokenizer, the config or the weights
     prompt = prompt_text(args.prompt, args.prompt_file)
     spec = check_method(args.model, args.method)  # everything checked before the weights load
     tok = load_tokenizer(args.model)

@@ -17,9 +17,9 @@ def register(sub) -> None:
     a = sub.add_parser("accounting", help="bytes per token, per layer: a V4.1 preset or an HF model + method")
     a.add_argument("--preset", help="v41-flash, v4-flash or tiny-v41")
     a.add_argument("--model", help="a known model or a local model directory")
-    a.add_argument("--method", default="bf16")
+    a.add_argument("--method", default="bf16", help="method spec whose bytes are counted (with --model)")
     a.add_argument("--tokens", type=int_in(1, BIG), default=4096, help="context length for HF accounting")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=accounting)
 
 
@@ -52,10 +52,14 @@ def models(args) -> int:
 
 
 def accounting(args) -> int:
-    from kvstrata import accounting as acc
+    from kvstrata.cli.inputs import model_name
 
     if bool(args.preset) == bool(args.model):
         raise ValueError("give exactly one of --preset (v41-flash, v4-flash, tiny-v41, small-v41) or --model")
+    if args.model:
+        model_name(args.model)  # a mistyped model is named at once (before torch loads)
+
+    from kvstrata import accounting as acc
     if args.preset:
         from dataclasses import asdict
 

@@ -57,6 +57,20 @@ def nonempty(text: str) -> str:
     return text
 
 
+def model_name(text: str, flag: str = "--model") -> str:
+    """Refuse a model that is neither a known one nor a local model directory, from the catalog alone
+    (no torch, no transformers: a mistyped name answers at once). The message is the loader's
+    (`kvstrata.models.loader.check`), which checks the same when the model loads."""
+    from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
+
+    key = text.lower()
+    if key in KNOWN_MODELS or key in TINY_MODELS or (Path(text).expanduser() / "config.json").exists():
+        return text
+    known = ", ".join([*KNOWN_MODELS, *TINY_MODELS])
+    raise ValueError(f"{flag}: {text!r} is neither a known model ({known}) nor a local model directory with "
+                     "config.json")
+
+
 def prompt_text(prompt: str | None, prompt_file: str | None) -> str:
     """`--prompt` or the UTF-8 text of `--prompt-file`; refused when empty."""
     from kvstrata.user_files import read_text_file

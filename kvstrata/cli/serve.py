@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from kvstrata.cli.inputs import BIG, field_default, float_in, int_in, nonempty
-from kvstrata.place.prefix_server import EXACT, ReplayTokens
 from kvstrata.serve.config import RETENTIONS, ServeConfig
+from kvstrata.settings import EXACT, ReplayTokens
 
 DAY_S = 86400.0
 REPLAY_HELP = (f"tokens replayed on an SWA miss, or '{EXACT}': the receptive field of the sliding windows, "
@@ -37,8 +37,9 @@ def register(sub) -> None:
     s.add_argument("--method", default=default("method"), type=nonempty,
                    help="method spec the store keeps KV in, e.g. nvfp4;sliding=fp8")
     s.add_argument("--config", help="store TOML ([store] table); env KVSTRATA_STORE_* also apply")
-    s.add_argument("--host", default=default("host"), type=nonempty)
-    s.add_argument("--port", type=int_in(1, 65535), default=default("port"))
+    s.add_argument("--host", default=default("host"), type=nonempty,
+                   help="address to listen on (0.0.0.0: every interface; use --api-key-file then)")
+    s.add_argument("--port", type=int_in(1, 65535), default=default("port"), help="port to listen on")
     s.add_argument("--api-key-file", help="one key per line; requests need 'Authorization: Bearer <key>'")
     s.add_argument("--served-model-name", type=nonempty, help="the model name clients send (default: --model "
                                                               "as given)")
@@ -67,11 +68,14 @@ def register(sub) -> None:
     s.add_argument("--memory-global-gb", type=float_in(0.001, 1e6), default=default("memory_global_gb"),
                    help="RAM for 'in_memory' global KV")
     s.add_argument("--log-level", default=default("log_level"),
-                   choices=("critical", "error", "warning", "info", "debug"))
+                   choices=("critical", "error", "warning", "info", "debug"), help="the server's log level")
     s.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from kvstrata.cli.inputs import model_name
+
+    model_name(args.model)  # a mistyped model is named at once (before torch loads)
     from kvstrata.serve.server import run as serve
 
     cfg = ServeConfig(

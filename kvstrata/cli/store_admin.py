@@ -8,7 +8,9 @@ import json
 def register(sub) -> None:
     st = sub.add_parser("store",
                         help="inspect the persistent KV store (config: --config TOML or KVSTRATA_STORE_*)")
-    st.add_argument("action", choices=("stats", "verify", "gc"))
+    st.add_argument("action", choices=("stats", "verify", "gc"),
+                    help="stats: what the store holds; verify: read back every record, removing corrupt "
+                         "ones; gc: verify, then drop records past retention")
     st.add_argument("--config", help="TOML file with a [store] table")
     st.add_argument("--delete-foreign", action="append", default=[], metavar="SECRET_ID",
                     help="verify / gc: also delete records signed by this secret id (as 'stats' and 'verify' "

@@ -24,7 +24,6 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -38,6 +37,7 @@ from kvstrata.place.block_format import pack, unpack
 from kvstrata.place.prefix_keys import block_hashes, model_fingerprint, namespace
 from kvstrata.place.records import RecordError
 from kvstrata.place.store import Entry, KVStore
+from kvstrata.settings import EXACT, ReplayTokens
 
 
 def weights_digest(model) -> str:
@@ -49,9 +49,7 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
-EXACT = "exact"
 WHOLE = 1 << 62  # a replay of the whole cached prefix
-ReplayTokens = int | Literal["exact"] | None  # how many tokens a replay reruns (None: 2 sliding windows)
 
 
 def exact_replay_tokens(classes: list[tuple[str, int | None]], block: int = 1) -> int:

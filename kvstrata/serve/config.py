@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstrata.names import Retention
-from kvstrata.place.prefix_server import EXACT, ReplayTokens
-from kvstrata.serve.scheduler import Limits
+from kvstrata.settings import EXACT, Limits, ReplayTokens
 
 RETENTIONS = tuple(r.value for r in Retention)
 

@@ -17,31 +17,7 @@ from dataclasses import dataclass
 
 from kvstrata.accounting import account_hf
 from kvstrata.hf.cache import layer_classes
-from kvstrata.settings import GenerateConfig
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_running: int = 16  # requests in the batch at once
-    max_queue: int = 16  # requests waiting beyond those; one more is answered 429
-    max_batched_tokens: int = 512  # tokens per forward (decode rows count one each)
-    prefill_chunk: int = GenerateConfig.prefill_chunk  # most tokens of one prompt per step (as `generate`)
-    kv_budget_bytes: int = 0  # bytes of KV the running requests may hold at their longest; 0: no limit
-    batching: bool = True  # False: one request's row per forward (the unbatched worker)
-
-    def __post_init__(self):
-        checks = [
-            (self.max_running >= 1, f"max_running must be >= 1, got {self.max_running}"),
-            (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
-            (self.prefill_chunk >= 1, f"prefill_chunk must be >= 1, got {self.prefill_chunk}"),
-            (self.max_batched_tokens >= self.prefill_chunk,
-             f"max_batched_tokens ({self.max_batched_tokens}) must be >= prefill_chunk "
-             f"({self.prefill_chunk})"),
-            (self.kv_budget_bytes >= 0, f"kv_budget_bytes must be >= 0, got {self.kv_budget_bytes}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+from kvstrata.settings import Limits  # declared with the settings the CLI reads without torch
 
 
 @dataclass(frozen=True)

@@ -30,25 +30,12 @@ from kvstrata.methods import parse_method
 from kvstrata.models import load
 from kvstrata.read.sparse import ReadState, TopK, select
 from kvstrata_lab.bench import protocol
+from kvstrata_lab.bench.config import DEFAULT_METHOD, RecallConfig  # noqa: F401 (its settings)
 from kvstrata_lab.bench.needles import Span, answer_spans, holds_all
 from kvstrata_lab.bench.sparse_recall_plot import plot_positions, plot_recall
 from kvstrata_lab.bench.tasks import make_instance
 
-DEFAULT_METHOD = "topk:k=512,schedule=F1,indexer=lowrank,rank=16"
 RESERVE = 8  # tokens kept free for the teacher-forced answer, so prompt + answer fit the nominal length
-
-
-@dataclass(frozen=True)
-class RecallConfig:
-    model: str = "gemma3-270m"
-    method: str = DEFAULT_METHOD
-    lengths: tuple[int, ...] = (2048, 4096, 8192, 16384, 32768)
-    prompts: int = 2  # instances per length (indices 0..prompts-1)
-    task: str = "single"
-    chunk: int = 2048  # prefill tokens per forward pass
-    seed: int = 0
-    haystack: str = "noise"
-    threads: int = 2
 
 
 @dataclass

@@ -21,19 +21,80 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from statistics import mean
 
 import torch
 from tqdm import tqdm
 
-from kvstrata.methods import parse_method, ranges_text
+from kvstrata.methods import parse_method, ranges_text, render_recipe
 from kvstrata.models import load
 from kvstrata_lab.bench import protocol
-from kvstrata_lab.bench.config import DEFAULT_LADDER, REFERENCE, TuneConfig, kv_recipe  # noqa: F401 (settings)
+from kvstrata_lab.bench.config import DEFAULT_LADDER, REFERENCE, TUNE_TASKS, TuneConfig  # noqa: F401 (settings)
 from kvstrata_lab.bench.families import family_of
 from kvstrata_lab.bench.paired import Delta, paired_delta
 from kvstrata_lab.bench.results import usable_score
 from kvstrata_lab.bench.tasks import check_fed, make_instance, score_answer
+
+
+def check_config(cfg: TuneConfig) -> None:
+    """Refuse settings the tuner cannot use, before anything loads (each ladder rung parsed)."""
+    if len(cfg.ladder) < 2:
+        raise ValueError("the ladder needs at least two recipes (best first)")
+    for rung in cfg.ladder:
+        if ";" in rung:
+            raise ValueError(f"ladder rung {rung!r}: one recipe per rung (no ';')")
+        parse_method(f"layers[0]={rung}")  # a rung must be assignable to one layer
+        if cfg.kv_apart:
+            _check_kv_rung(rung)
+    if cfg.kv_apart:  # every pairing of a keys rung with a values rung must be one recipe
+        for k_rung in cfg.ladder:
+            for v_rung in cfg.ladder:
+                try:
+                    kv_recipe(k_rung, v_rung)
+                except ValueError as e:
+                    raise ValueError(f"ladder rungs {k_rung!r} (keys) and {v_rung!r} (values) do "
+                                     f"not make one recipe: {e}") from None
+    if set(cfg.calib) & set(cfg.heldout):
+        raise ValueError(f"calibration instances {sorted(set(cfg.calib) & set(cfg.heldout))} are also "
+                         "held out: they must be disjoint")
+    if cfg.layer_keep not in ("uniform", "mass"):
+        raise ValueError(f"--layer-keep must be uniform or mass, got {cfg.layer_keep!r}")
+    if not cfg.calib or not cfg.heldout:
+        raise ValueError("tuning needs calibration and held-out instances")
+    for t in cfg.tasks:
+        if t == "report":
+            raise ValueError("tune chooses on calibration families only: the report families are what "
+                             "its choice is measured on afterwards (use calib)")
+        if t not in TUNE_TASKS:
+            raise ValueError(f"tune scores retrieval tasks ({', '.join(TUNE_TASKS)}); got {t!r}")
+
+
+def _check_kv_rung(rung: str) -> None:
+    """With keys apart from values, a rung must be one store codec whose values half `v=` can name."""
+    rec = parse_method(rung).full
+    if rec.keep is not None or rec.vcodec is not None:
+        raise ValueError(f"ladder rung {rung!r}: with keys apart from values a rung is one store codec "
+                         "(no keep policy or v=)")
+    try:
+        kv_recipe(REFERENCE, rung)
+    except ValueError as e:
+        raise ValueError(f"ladder rung {rung!r}: with keys apart from values its codec must be one v= "
+                         f"can name: {e}") from None
+
+
+def kv_recipe(k_rung: str, v_rung: str) -> str:
+    """One layer's recipe with keys as on `k_rung` and values as on `v_rung`: the keys' recipe with
+    the values' codec, the larger full-precision tail and sink, and the transforms that act on
+    values too (rotation) when either has them; `r` and `keys` always written. Equal rungs: the rung
+    as given."""
+    if k_rung == v_rung:
+        return k_rung
+    rk, rv = parse_method(k_rung).full, parse_method(v_rung).full
+    both = [t for t in rv.transforms if t.acts_on_values and rk.transform(type(t)) is None]
+    rec = replace(rk, r=max(rk.r, rv.r), sink=max(rk.sink, rv.sink), vcodec=rv.value_codec,
+                  transforms=tuple(sorted(rk.transforms + tuple(both), key=lambda t: t.order)))
+    return render_recipe(rec, explicit=("r", "keys"))
 
 
 class Evaluator:
@@ -248,7 +309,7 @@ def passes(q: dict, cfg: TuneConfig) -> bool:
 
 def check_plain(cfg: TuneConfig) -> None:
     """Refuse what the per-layer search cannot do (without --keep) before anything loads."""
-    cfg.check()
+    check_config(cfg)
     if cfg.layer_keep != "uniform":
         raise ValueError("--layer-keep splits a keep policy's budget over layers: give --keep")
 

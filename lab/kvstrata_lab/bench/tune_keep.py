@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from kvstrata.methods import parse_method
 from kvstrata_lab.bench.layer_keep import allocate, mass_curves, policy_scores, render_keep
-from kvstrata_lab.bench.tune import Evaluator, TuneConfig, certify, passes, quality
+from kvstrata_lab.bench.tune import Evaluator, TuneConfig, certify, check_config, passes, quality
 
 
 def check_keep(cfg: TuneConfig, policy: str) -> None:
@@ -39,7 +39,7 @@ def check_keep(cfg: TuneConfig, policy: str) -> None:
     for rung in cfg.ladder:
         if parse_method(rung).full.keep is not None:
             raise ValueError(f"ladder rung {rung!r} has its own keep policy; with --keep a rung is a codec")
-    cfg.check()
+    check_config(cfg)
 
 
 def compose(policy: str, keep: float, rung: str, curves: list | None = None) -> str:

@@ -37,7 +37,7 @@ def register(sub) -> None:
     b.set_defaults(func=bench)
 
     rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
-    rp.add_argument("dir")
+    rp.add_argument("dir", help="a bench output directory (its results.jsonl)")
     rp.add_argument("--skip-bad", action="store_true",
                     help="leave out malformed rows of results.jsonl (counted in the report) instead of "
                          "refusing the file")
@@ -48,7 +48,7 @@ def register(sub) -> None:
     rp.set_defaults(func=report)
 
     cl = sub.add_parser("check-lengths", help="list a bench directory's rows not fed at their nominal length")
-    cl.add_argument("dir")
+    cl.add_argument("dir", help="a bench output directory (its results.jsonl)")
     cl.add_argument("--drop", action="store_true",
                     help="move them to DIR/short-rows.jsonl; rerunning their bench commands then redoes them")
     cl.add_argument("--seed", type=int, help="the runs' seed (default: from DIR/meta.json)")
@@ -56,7 +56,12 @@ def register(sub) -> None:
 
 
 def bench(args) -> int:
-    from kvstrata.cli.inputs import check_context, csv_items, length_arg, split_methods, writable_dir
+    from kvstrata.cli.inputs import csv_items, model_name
+
+    for m in csv_items(args.model or ""):
+        model_name(m.partition("@")[0], f"--model {m}")  # a mistyped model is named at once (no torch)
+
+    from kvstrata.cli.inputs import check_context, length_arg, split_methods, writable_dir
     from kvstrata.methods import parse_method
     from kvstrata.models import check_method
     from kvstrata.models.loader import check as check_model

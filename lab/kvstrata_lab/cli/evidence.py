@@ -49,14 +49,14 @@ def register(sub) -> None:
 
     ds = sub.add_parser("depth-similarity", help="adjacent-layer KV similarity per head (heat maps)")
     ds.add_argument("--model", default="smollm2-135m,gemma3-270m")
-    ds.add_argument("--tokens", type=int_in(16, BIG), default=2048)
-    ds.add_argument("--group", type=int_in(2, 64), default=4)
+    ds.add_argument("--tokens", type=int_in(16, BIG), default=2048, help="prompt length")
+    ds.add_argument("--group", type=int_in(2, 64), default=4, help="adjacent layers per depth group (G)")
     ds.add_argument("--out", default="docs/results/depth")
     ds.set_defaults(func=cmd_depth_similarity)
 
     da = sub.add_parser("depth-ablation", help="FreqDepthKV G / F / r / tolerance / norm swept in the bench")
     da.add_argument("--model", default="smollm2-135m")
-    da.add_argument("--length", type=int_in(64, BIG), default=2048)
+    da.add_argument("--length", type=int_in(64, BIG), default=2048, help="context length in tokens")
     da.add_argument("--n", type=int_in(1, 100_000), default=3, help="instances per task")
     da.add_argument("--methods", help="comma-separated specs (default: the built-in grid, bf16 first)")
     da.add_argument("--out", default="docs/results", help="bench directory; rows go to OUT/depth-ablation")
@@ -64,26 +64,26 @@ def register(sub) -> None:
 
     to = sub.add_parser("topk-overlap", help="top-k overlap between layers (evidence for Reuse schedules)")
     to.add_argument("--model", default="smollm2-135m,gemma3-270m")
-    to.add_argument("--tokens", type=int_in(16, BIG), default=4096)
+    to.add_argument("--tokens", type=int_in(16, BIG), default=4096, help="prompt length")
     to.add_argument("--k", type=int_in(1, BIG), default=256, help="at most --tokens")
     to.add_argument("--out", default="docs/results/read")
     to.set_defaults(func=cmd_topk_overlap)
 
     vp = sub.add_parser("v41-prefill", help="V4.1 half-depth (CED) prefill vs the same-size full-depth model")
-    vp.add_argument("--preset", default="small-v41")
+    vp.add_argument("--preset", default="small-v41", help="V4.1 preset (tiny-v41, small-v41)")
     vp.add_argument("--factor", type=int_in(1, 1024), default=16, help="prompt length in units of n_win")
-    vp.add_argument("--repeats", type=int_in(1, 1000), default=5)
+    vp.add_argument("--repeats", type=int_in(1, 1000), default=5, help="timed runs (the median is kept)")
     vp.add_argument("--out", help="write the measurement as JSON here")
     vp.set_defaults(func=cmd_v41_prefill)
 
     tr = sub.add_parser("train-ref", help="train tiny V4.1 and a same-size dense transformer on recall")
-    tr.add_argument("--preset", default="tiny-v41")
-    tr.add_argument("--steps", type=int_in(1, 10**7), default=1500)
-    tr.add_argument("--batch", type=int_in(1, 1 << 16), default=32)
-    tr.add_argument("--seq-len", type=int_in(8, 1 << 16), default=64)
-    tr.add_argument("--pairs", type=int_in(1, 1024), default=4)
+    tr.add_argument("--preset", default="tiny-v41", help="V4.1 preset of both models' shape")
+    tr.add_argument("--steps", type=int_in(1, 10**7), default=1500, help="training steps")
+    tr.add_argument("--batch", type=int_in(1, 1 << 16), default=32, help="sequences per step")
+    tr.add_argument("--seq-len", type=int_in(8, 1 << 16), default=64, help="tokens per sequence")
+    tr.add_argument("--pairs", type=int_in(1, 1024), default=4, help="key-value pairs to recall per sequence")
     tr.add_argument("--seed", type=SEED, default=0)
-    tr.add_argument("--eval-sequences", type=int_in(1, 10**7), default=256)
+    tr.add_argument("--eval-sequences", type=int_in(1, 10**7), default=256, help="held-out sequences scored")
     tr.add_argument("--override", help="JSON object of V41Config fields for both models, e.g. "
                     "'{\"layer_modes\": [\"full\", ...], \"compress\": [1, ...]}'")
     tr.add_argument("--out", default="runs/train-ref")
@@ -95,7 +95,8 @@ def register(sub) -> None:
                     help="comma-separated cached tokens")
     kb.add_argument("--shapes", default="smollm2-135m,gemma3-270m",
                     help="whose head shapes: smollm2-135m, gemma3-270m")
-    kb.add_argument("--repeats", type=int_in(1, 1000), default=9)
+    kb.add_argument("--repeats", type=int_in(1, 1000), default=9,
+                    help="timed runs per point (the median is kept)")
     kb.add_argument("--out", default="docs/results/kernels")
     kb.set_defaults(func=cmd_kernels_bench)
 

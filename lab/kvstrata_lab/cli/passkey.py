@@ -17,6 +17,10 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from kvstrata.cli.inputs import model_name
+
+    model_name(args.model)  # a mistyped model is named at once (before torch loads)
+
     from kvstrata.cli.inputs import check_context, check_fits
     from kvstrata.hf.run import generate
     from kvstrata.methods import parse_method
@@ -25,7 +29,7 @@ def run(args) -> int:
 
     methods = args.methods.split("|")
     for m in methods:
-        parse_method(m)  # a bad spec is named even when the model is bad too
+        parse_method(m)  # a bad spec is named before the tokenizer, the config or the weights
     specs = [check_method(args.model, m) for m in methods]
     check_context(args.model, args.tokens, "--tokens")
     tok = load_tokenizer(args.model)  # the prompt is checked before the weights load

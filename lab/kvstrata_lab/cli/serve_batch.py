@@ -53,16 +53,20 @@ def register(sub) -> None:
         default=default("level_requests"),
         help="requests per level at least, however few its streams",
     )
-    s.add_argument("--prompt-tokens", type=int_in(1, BIG), default=default("prompt_tokens"))
-    s.add_argument("--max-tokens", type=int_in(2, BIG), default=default("max_tokens"))
-    s.add_argument("--probe-tokens", type=int_in(1, BIG), default=default("probe_tokens"))
+    s.add_argument("--prompt-tokens", type=int_in(1, BIG), default=default("prompt_tokens"),
+                   help="tokens of each stream's prompt")
+    s.add_argument("--max-tokens", type=int_in(2, BIG), default=default("max_tokens"),
+                   help="tokens each request generates")
+    s.add_argument("--probe-tokens", type=int_in(1, BIG), default=default("probe_tokens"),
+                   help="the late arrival's prompt, timed idle and while streams decode")
     s.add_argument(
         "--budget-sequences",
         type=int_in(1, 1024),
         default=default("budget_sequences"),
         help="the KV budget holds this many bf16 sequences at their longest",
     )
-    s.add_argument("--budget-streams", type=int_in(1, 256), default=default("budget_streams"))
+    s.add_argument("--budget-streams", type=int_in(1, 256), default=default("budget_streams"),
+                   help="streams offered under the KV budget")
     s.add_argument("--peer", choices=["llama-server"], default=None,
                    help="also run the levels against llama.cpp's llama-server (-np = streams) on the GGUF "
                         "the model is converted from, in the same run (built once: make llamacpp)")

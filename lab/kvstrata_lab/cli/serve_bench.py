@@ -22,7 +22,8 @@ def register(sub) -> None:
     )
     b.add_argument("--model", default=default("model"), type=nonempty)
     b.add_argument("--method", default=default("method"), type=nonempty)
-    b.add_argument("--clients", type=int_in(1, 1024), default=default("clients"))
+    b.add_argument("--clients", type=int_in(1, 1024), default=default("clients"),
+                   help="concurrent openai clients")
     b.add_argument("--turns", type=int_in(1, 10_000), default=default("turns"), help="turns per conversation")
     b.add_argument("--conversations", type=int_in(1, 10_000), default=default("conversations"),
                    help="conversations per client")
@@ -41,7 +42,8 @@ def register(sub) -> None:
                         "after it")
     b.add_argument("--check", type=int_in(0, 100_000), default=default("check"),
                    help="answers re-asked of the store-off server and compared")
-    b.add_argument("--block-size", type=int_in(1, 1 << 16), default=default("block_size"))
+    b.add_argument("--block-size", type=int_in(1, 1 << 16), default=default("block_size"),
+                   help="the store's block size in tokens")
     b.add_argument("--seed", type=SEED, default=default("seed"))
     b.add_argument("--peer", choices=SERVE_PEERS[1:], default=None,
                    help="also run the same workload against llama.cpp's llama-server (built once, ~5 min: "

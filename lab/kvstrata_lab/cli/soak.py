@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from kvstrata.cli.inputs import BIG, field_default, float_in, int_in, nonempty
-from kvstrata_lab.serve_bench.soak import SoakConfig
+from kvstrata_lab.serve_bench.config import SoakConfig
 
 DAY_S = 86400.0
 
@@ -20,16 +20,19 @@ def register(sub) -> None:
                                           "and the cluster's memory fail; every answer checked")
     s.add_argument("--model", default=load.model, type=nonempty)
     s.add_argument("--method", default=load.method, type=nonempty)
-    s.add_argument("--clients", type=int_in(1, 1024), default=load.clients)
+    s.add_argument("--clients", type=int_in(1, 1024), default=load.clients, help="concurrent openai clients")
     s.add_argument("--turns", type=int_in(1, 10_000), default=load.turns, help="turns per conversation")
     s.add_argument("--conversations", type=int_in(1, 10_000), default=100, help="conversations per client")
-    s.add_argument("--context", type=int_in(1, BIG), default=load.context)
-    s.add_argument("--max-tokens", type=int_in(1, BIG), default=load.max_tokens)
+    s.add_argument("--context", type=int_in(1, BIG), default=load.context,
+                   help="tokens of each conversation's opening document")
+    s.add_argument("--max-tokens", type=int_in(1, BIG), default=load.max_tokens,
+                   help="tokens generated per turn")
     s.add_argument("--duration", type=float_in(60, 7 * DAY_S), default=load.duration_s,
                    help="seconds of load")
     s.add_argument("--check", type=int_in(0, 100_000), default=load.check,
                    help="answers re-asked of a store-off server besides every one within a minute of a fault")
-    s.add_argument("--retries", type=int_in(0, 100), default=field_default(SoakConfig, "retries"))
+    s.add_argument("--retries", type=int_in(0, 100), default=field_default(SoakConfig, "retries"),
+                   help="times a turn failed by the server's restart is asked again")
     s.add_argument("--request-timeout", type=float_in(1, DAY_S),
                    default=field_default(SoakConfig, "request_timeout_s"),
                    help="seconds after which a request counts as hung")

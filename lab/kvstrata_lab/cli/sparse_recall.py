@@ -10,8 +10,8 @@ from kvstrata.cli.inputs import BIG, SEED, csv_items, int_in, length_arg
 
 
 def register(sub) -> None:
+    from kvstrata_lab.bench.config import DEFAULT_METHOD, RecallConfig
     from kvstrata_lab.bench.corpus import KINDS
-    from kvstrata_lab.bench.sparse_recall import DEFAULT_METHOD, RecallConfig
     from kvstrata_lab.bench.tasks import LOOKALIKE, RETRIEVAL
 
     d = RecallConfig()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from kvstrata.cli.inputs import BIG, SEED, field_default, float_in, int_in
-from kvstrata.methods import ranges_text
+from kvstrata.knobs import ranges_text
 from kvstrata_lab.bench.config import TuneConfig
 
 
@@ -48,7 +48,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvstrata.cli.inputs import check_context, csv_items, split_methods, writable_dir
-    from kvstrata.methods import parse_ranges
+    from kvstrata.knobs import parse_ranges
     from kvstrata.models import check_method
     from kvstrata_lab.bench.tune import check_plain, tune
     from kvstrata_lab.bench.tune_keep import check_keep, tune_keep

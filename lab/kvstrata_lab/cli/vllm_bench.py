@@ -31,18 +31,26 @@ def register(sub) -> None:
     s = sub.add_parser("vllm-bench", help="vLLM's CPU engine alone / + example connector / + kvstrata "
                        "connector: later-turn TTFT, TTFT after a restart, bytes at rest, retrieval")
     s.add_argument("--model", default=default("model"), type=nonempty)
-    s.add_argument("--configs", type=_names(VLLM_CONFIGS, "rows"), default=",".join(default("configs")))
-    s.add_argument("--clients", type=int_in(1, 64), default=default("clients"))
-    s.add_argument("--turns", type=int_in(1, 100), default=default("turns"))
-    s.add_argument("--context", type=int_in(1, BIG), default=default("context"))
-    s.add_argument("--tool-tokens", type=int_in(0, BIG), default=default("tool_tokens"))
-    s.add_argument("--answer-tokens", type=int_in(1, 1024), default=default("answer_tokens"))
-    s.add_argument("--probe-tokens", type=int_in(1, BIG), default=default("probe_tokens"))
+    s.add_argument("--configs", type=_names(VLLM_CONFIGS, "rows"), default=",".join(default("configs")),
+                   help="comma-separated rows to run")
+    s.add_argument("--clients", type=int_in(1, 64), default=default("clients"),
+                   help="agent conversations, played turn by turn")
+    s.add_argument("--turns", type=int_in(1, 100), default=default("turns"), help="turns per conversation")
+    s.add_argument("--context", type=int_in(1, BIG), default=default("context"),
+                   help="tokens of each conversation's document")
+    s.add_argument("--tool-tokens", type=int_in(0, BIG), default=default("tool_tokens"),
+                   help="tokens of each tool-result turn")
+    s.add_argument("--answer-tokens", type=int_in(1, 1024), default=default("answer_tokens"),
+                   help="tokens generated per turn")
+    s.add_argument("--probe-tokens", type=int_in(1, BIG), default=default("probe_tokens"),
+                   help="the prompt timed after an engine restart")
     s.add_argument("--tasks", type=_names(("single", "multikey", "multivalue", "multiquery"), "tasks"),
-                   default=",".join(default("tasks")))
+                   default=",".join(default("tasks")), help="comma-separated retrieval tasks")
     s.add_argument("--n", type=int_in(1, 1000), default=default("n"), help="retrieval instances per task")
-    s.add_argument("--length", type=int_in(64, BIG), default=default("length"))
-    s.add_argument("--chunk-tokens", type=int_in(32, 1 << 16), default=default("chunk_tokens"))
+    s.add_argument("--length", type=int_in(64, BIG), default=default("length"),
+                   help="tokens of each retrieval instance")
+    s.add_argument("--chunk-tokens", type=int_in(32, 1 << 16), default=default("chunk_tokens"),
+                   help="tokens per kvstrata record (a multiple of vLLM's block size 32)")
     s.add_argument("--hybrid-allocator", choices=("on", "off"),
                    default="on" if default("hybrid_allocator") else "off",
                    help="vLLM's hybrid KV-cache allocator (sliding-window layers hold their window only)")

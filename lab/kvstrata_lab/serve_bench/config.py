@@ -1,9 +1,9 @@
 """`kvstrata serve-bench`'s and `serve-batch-bench`'s settings (no model or server code imported: the CLI
-reads its defaults)."""
+reads its defaults), and `serve-soak`'s."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: `serve-bench --peer`: the other servers the same workload runs against ("" for none)
 SERVE_PEERS = ("", "llama-server", "vllm")
@@ -113,3 +113,24 @@ class VllmBenchConfig:
         if self.chunk_tokens % 32:
             raise ValueError(f"chunk_tokens must be a multiple of vLLM's block size 32, got "
                              f"{self.chunk_tokens}")
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    load: ServeBenchConfig = field(default_factory=lambda: ServeBenchConfig(
+        model="smollm2-135m", method="bf16", context=1024, duration_s=1800.0, check=40, probe_tokens=0))
+    master_kill_at: float = 0.2  # share of the duration
+    server_kill_at: float = 0.45
+    fill_at: float = 0.7
+    fill_for: float = 0.1
+    retries: int = 3  # a turn failed by the server's restart is asked again
+    request_timeout_s: float = 600.0  # a request past it is a hang
+    rss_bound: float = 0.5  # allowed RSS growth over the warm level (share)
+    server_args: tuple[str, ...] = ()  # e.g. ("--replay-tokens", "64") for cold-identical replays
+
+    def __post_init__(self):
+        for name in ("master_kill_at", "server_kill_at", "fill_at"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
+        if not 0 < self.fill_for < 1 - self.fill_at:
+            raise ValueError("fill_for must be > 0 and end before the run does")

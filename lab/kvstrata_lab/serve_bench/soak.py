@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,33 +28,12 @@ from kvstrata.place import KVStore, StoreConfig
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.bench import _Load, _server, _stream, check_fits
 from kvstrata_lab.serve_bench.cluster import LoopbackCluster
-from kvstrata_lab.serve_bench.config import ServeBenchConfig
+from kvstrata_lab.serve_bench.config import ServeBenchConfig, SoakConfig
 from kvstrata_lab.serve_bench.process import ServerProcess
 
 TIE_LOGITS = 0.1  # a cold run whose two candidate tokens are this close has no single right answer
 COUNTERS = ("writes", "refused", "errors", "corrupt", "unverifiable", "hits", "misses")
 AFTER_FAULT_S = 60.0  # answers this close after a fault are all checked
-
-
-@dataclass(frozen=True)
-class SoakConfig:
-    load: ServeBenchConfig = field(default_factory=lambda: ServeBenchConfig(
-        model="smollm2-135m", method="bf16", context=1024, duration_s=1800.0, check=40, probe_tokens=0))
-    master_kill_at: float = 0.2  # share of the duration
-    server_kill_at: float = 0.45
-    fill_at: float = 0.7
-    fill_for: float = 0.1
-    retries: int = 3  # a turn failed by the server's restart is asked again
-    request_timeout_s: float = 600.0  # a request past it is a hang
-    rss_bound: float = 0.5  # allowed RSS growth over the warm level (share)
-    server_args: tuple[str, ...] = ()  # e.g. ("--replay-tokens", "64") for cold-identical replays
-
-    def __post_init__(self):
-        for name in ("master_kill_at", "server_kill_at", "fill_at"):
-            if not 0 < getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
-        if not 0 < self.fill_for < 1 - self.fill_at:
-            raise ValueError("fill_for must be > 0 and end before the run does")
 
 
 class _Faults(threading.Thread):

@@ -10,7 +10,7 @@ from kvstrata.codecs import Rotation
 from kvstrata.hf import CompressedCache
 from kvstrata.methods import parse_method
 from kvstrata.models.tiny import byte_tokenizer
-from kvstrata_lab.bench.tune import TuneConfig, kv_recipe, passes, render, tune, upgrade_path
+from kvstrata_lab.bench.tune import TuneConfig, check_config, kv_recipe, passes, render, tune, upgrade_path
 
 LADDER = ("bf16", "fp8", "int2:r=4,group=8")
 
@@ -68,7 +68,7 @@ def test_an_unreachable_bytes_target_is_reported(tuned, tiny_gemma):
 ])
 def test_bad_settings_are_refused(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message):
-        _cfg(tmp_path, **kw).check()
+        check_config(_cfg(tmp_path, **kw))
 
 
 def test_cli_refuses_overlapping_instances_in_one_line(capsys, tmp_path):
