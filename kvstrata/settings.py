@@ -48,3 +48,7 @@ class Limits:
             if not ok:
                 raise ValueError(message)
 
+
+#: the model's weights and activations: `float32` (the reference) or `bf16` (half the weight bytes; fast
+#: where the CPU has AVX512-BF16 or AMX); a result row records which
+DTYPES = ("float32", "bf16")

@@ -7,7 +7,7 @@ import json
 import sys
 
 from kvstrata.cli.inputs import BIG, int_in, nonempty
-from kvstrata.settings import GenerateConfig
+from kvstrata.settings import DTYPES, GenerateConfig
 
 
 def register(sub) -> None:
@@ -30,6 +30,8 @@ def register(sub) -> None:
     g.add_argument("--profile", type=int_in(1, 200), metavar="N",
                    help="print to stderr the N functions with the most self time, then kvstrata's N with the "
                         "most total time (cProfile)")
+    g.add_argument("--dtype", choices=DTYPES, default=DTYPES[0],
+                   help="the model's weights and activations (bf16: fast on CPUs with AVX512-BF16)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=run)
 
@@ -50,7 +52,7 @@ def run(args) -> int:
     tok = load_tokenizer(args.model)
     ids = tok(prompt, return_tensors="pt").input_ids
     check_fits(load_config(args.model), ids.shape[1], args.max_new_tokens)
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype)
     go = functools.partial(generate, model, tok, ids, spec, args.max_new_tokens,
                            prefill_chunk=args.prefill_chunk or None, store_block=args.store_block or None)
     if args.profile:
@@ -67,7 +69,7 @@ def run(args) -> int:
         g = go()
     if args.json:
         row = {
-            "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk,
+            "peak_rss_mb": peak_rss_mb(), "prefill_chunk": args.prefill_chunk, "dtype": args.dtype,
             "store_block": args.store_block, "text": g.text,
             "method": str(spec), "model": args.model, "context_tokens": g.context_tokens,
             "new_tokens": len(g.new_tokens), "kv_bytes": g.kv_bytes,

@@ -6,7 +6,7 @@ import argparse
 
 from kvstrata.cli.inputs import BIG, field_default, float_in, int_in, nonempty
 from kvstrata.serve.config import RETENTIONS, ServeConfig
-from kvstrata.settings import EXACT, ReplayTokens
+from kvstrata.settings import DTYPES, EXACT, ReplayTokens
 
 DAY_S = 86400.0
 REPLAY_HELP = (f"tokens replayed on an SWA miss, or '{EXACT}': the receptive field of the sliding windows, "
@@ -67,6 +67,8 @@ def register(sub) -> None:
                    help="prompt_cache_retention of requests that give none")
     s.add_argument("--memory-global-gb", type=float_in(0.001, 1e6), default=default("memory_global_gb"),
                    help="RAM for 'in_memory' global KV")
+    s.add_argument("--dtype", choices=DTYPES, default=default("dtype"),
+                   help="the model's weights and activations (bf16: fast on CPUs with AVX512-BF16)")
     s.add_argument("--log-level", default=default("log_level"),
                    choices=("critical", "error", "warning", "info", "debug"), help="the server's log level")
     s.set_defaults(func=run)
@@ -87,6 +89,6 @@ def run(args) -> int:
         kv_budget_mb=args.kv_budget_mb, batching=not args.no_batching, request_timeout_s=args.request_timeout,
         default_max_tokens=args.default_max_tokens, replay_tokens=args.replay_tokens,
         default_retention=args.default_retention, memory_global_gb=args.memory_global_gb,
-        log_level=args.log_level,
+        log_level=args.log_level, dtype=args.dtype,
     )
     return serve(cfg)

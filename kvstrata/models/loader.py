@@ -23,6 +23,7 @@ from kvstrata.hf.cache import check_fits_model
 from kvstrata.methods import MethodSpec, check_store, parse_method
 from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
 from kvstrata.models.tiny import save_tiny, tiny_config
+from kvstrata.settings import DTYPES
 
 COMPLETE_MARK = "kvstrata-converted.ok"
 #: bumped when what a converted directory holds changes: an older directory is converted again
@@ -154,18 +155,28 @@ def resolve(name_or_path: str) -> Path:
     return converted_path(key) if is_converted(key) else _convert(key)
 
 
-def load(name_or_path: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) in eval mode; offline only."""
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`float32` / `bf16` (`kvstrata.settings.DTYPES`) as a torch dtype; a torch dtype passes through."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    named = {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if dtype not in named:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return named[dtype]
+
+
+def load(name_or_path: str, dtype: str | torch.dtype = torch.float32):
+    """(model, tokenizer) in eval mode; offline only. `dtype`: the weights' and activations' type."""
     path = resolve(name_or_path)
     return load_model(path, dtype), load_tokenizer(path)
 
 
-def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32):
+def load_model(name_or_path: str | Path, dtype: str | torch.dtype = torch.float32):
     """The model alone, in eval mode (for a command that checked its input with the tokenizer and the
     config first: loading the weights is the slow part)."""
     set_threads()
     path = resolve(str(name_or_path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
     model.eval()
     return model
 

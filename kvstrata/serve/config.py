@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstrata.names import Retention
-from kvstrata.settings import EXACT, Limits, ReplayTokens
+from kvstrata.settings import DTYPES, EXACT, Limits, ReplayTokens
 
 RETENTIONS = tuple(r.value for r in Retention)
 
@@ -38,6 +38,7 @@ class ServeConfig:
     memory_global_gb: float = 1.0  # RAM for global KV of `prompt_cache_retention: "in_memory"` requests
     max_body_bytes: int = 8 << 20
     log_level: str = "warning"
+    dtype: str = DTYPES[0]  # the model's weights and activations (`kvstrata.settings.DTYPES`)
 
     def __post_init__(self):
         checks = [
@@ -51,6 +52,7 @@ class ServeConfig:
             (self.default_retention in RETENTIONS, f"default_retention must be one of {RETENTIONS}, got "
                                                    f"{self.default_retention!r}"),
             (self.memory_global_gb > 0, f"memory_global_gb must be > 0, got {self.memory_global_gb}"),
+            (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
             (self.max_body_bytes >= 1024, f"max_body_bytes must be >= 1024, got {self.max_body_bytes}"),
         ]
         for ok, message in checks:

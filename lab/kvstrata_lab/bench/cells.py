@@ -11,6 +11,7 @@ from kvstrata_lab.bench.needles import selection_cause
 from kvstrata_lab.bench.tasks import (
     FAMILY_TASKS,
     LOOKALIKE,
+    REASON_TASKS,
     REASONING,
     RETRIEVAL,
     check_fed,
@@ -18,7 +19,8 @@ from kvstrata_lab.bench.tasks import (
     tag_failure,
 )
 
-ROW_META = ("hops", "text_family", "source", "question_phrasing", "lookalike")  # what a row keeps of meta
+# what a row keeps of meta
+ROW_META = ("hops", "text_family", "source", "question_phrasing", "lookalike", "reason_kind")
 
 
 def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s: float | None) -> dict:
@@ -32,7 +34,7 @@ def cell_base(model, model_name: str, length: int, inst, tokens: int, prefill_s:
         "question_tokens": inst.question_tokens, "special_tokens": inst.special_tokens,
         "prefill_s": prefill_s, "run": uuid.uuid4().hex[:12],
         "kind": ("retrieval" if task in (*RETRIEVAL, *LOOKALIKE, *FAMILY_TASKS)
-                 else "reasoning" if task in REASONING else "fidelity"),
+                 else "reasoning" if task in (*REASONING, *REASON_TASKS) else "fidelity"),
         "bf16_bytes_per_token": bf16_bytes_per_token(model.config, tokens),
         **{k: v for k, v in inst.meta.items() if k in ROW_META},
     }

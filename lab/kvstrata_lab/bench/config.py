@@ -40,6 +40,8 @@ class BenchConfig:
     pairs: tuple[tuple[str, int], ...] = ()
     #: peer specs (`kvpress:…`, `qcache:…`) run on the same instances; see kvstrata_lab.bench.peers
     peers: tuple[str, ...] = ()
+    #: the model's weights and activations (`kvstrata.settings.DTYPES`); every row records it
+    dtype: str = "float32"
 
     def plan(self) -> tuple[tuple[str, int], ...]:
         return self.pairs or tuple((m, L) for m in self.models for L in self.lengths)

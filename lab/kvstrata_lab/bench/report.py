@@ -13,6 +13,7 @@ from kvstrata_lab.bench import (
     frontier,
     kernels,
     memory,
+    reason_report,
     scaling,
     sparse_frontier,
     speed,
@@ -34,7 +35,8 @@ from kvstrata_lab.bench.results import (
 # The report's sections after the main tables, in order: each takes a ReportInput and returns Markdown
 # ('' when its experiment has not run into this directory).
 SECTIONS = (
-    transfer.report_section, frontier.report_section, speed.report_section, kernels.report_section,
+    transfer.report_section, reason_report.report_section, frontier.report_section, speed.report_section,
+    kernels.report_section,
     memory.report_section, scaling.report_section,
     compare.report_section,
     sparse_frontier.report_section, depth_ablation.report_section, v41_prefill.report_section,

@@ -11,7 +11,7 @@ from pathlib import Path
 from statistics import mean
 
 from kvstrata_lab.bench.rows import read_rows
-from kvstrata_lab.bench.tasks import FAMILY_TASKS, FIDELITY, LOOKALIKE, REASONING, RETRIEVAL
+from kvstrata_lab.bench.tasks import FAMILY_TASKS, FIDELITY, LOOKALIKE, REASON_TASKS, REASONING, RETRIEVAL
 
 FAMILY_COLOURS = {
     "reference": "black", "quantization": "tab:blue", "eviction": "tab:orange",
@@ -63,7 +63,7 @@ def summarise(rows: list[dict]) -> dict:
         groups[(r["model"], r["length"])].append(r)
     out = {}
     for key, rs in sorted(groups.items()):
-        order = RANKED_TASKS + LOOKALIKE + REASONING + FIDELITY
+        order = RANKED_TASKS + LOOKALIKE + REASONING + REASON_TASKS + FIDELITY
         tasks = sorted({r["task"] for r in rs}, key=order.index)
         ref = [r for r in rs if r["method"] == "bf16"]
         rs = rs + reference_subsets(rs, ref)
@@ -115,7 +115,7 @@ def usable_score(score: float, task: str) -> bool:
     return score >= (FAMILY_USABLE if task in FAMILY_TASKS else USABLE)
 
 
-QUESTION_TASKS = RANKED_TASKS + LOOKALIKE + REASONING
+QUESTION_TASKS = RANKED_TASKS + LOOKALIKE + REASONING + REASON_TASKS
 
 
 def fed_lengths(rows: list[dict]) -> dict[str, tuple[int, int]]:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from kvstrata.methods import parse_method
 from kvstrata.models import load
 from kvstrata.read.kernels import cpu
-from kvstrata_lab.bench import protocol
+from kvstrata_lab.bench import likelihood, protocol
 from kvstrata_lab.bench.cells import answered, cell_base, costed, failed
 from kvstrata_lab.bench.config import DEFAULT_METHODS, QUICK, STOCK, BenchConfig  # noqa: F401 (the runner's settings)
 from kvstrata_lab.bench.peers import is_peer, parse_peer, qcache
@@ -70,7 +70,7 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     with path.open("a") as f:
         for model_name, length, task, index in todo:
             if model_name not in loaded:
-                loaded[model_name] = (load_model or load)(model_name)
+                loaded[model_name] = load_model(model_name) if load_model else load(model_name, cfg.dtype)
             model, tok = loaded[model_name]
             bar.set_postfix_str(f"{model_name} {length} {task}#{index}")
             missing = [m for m in in_process if (model_name, length, task, index, m) not in done]
@@ -98,11 +98,15 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
     base = cell_base(model, model_name, length, inst, ids.shape[1], None)
     pre = protocol.prefill(model, ids)
     base["prefill_s"] = pre.seconds
+    base["dtype"] = getattr(cfg, "dtype", "float32")
     rows = []
     ref = None
     if task in FIDELITY:
         cont = tok(inst.continuation, add_special_tokens=False, return_tensors="pt").input_ids
         ref = protocol.reference_logits(model, pre, cont)
+    # the reference answer teacher-forced over bf16's cache: every row's answer likelihood is paired with it
+    ref_lp = None if task in FIDELITY else likelihood.method_logprobs(
+        model, tok, pre, "bf16", parse_method("bf16"), inst.questions[0])
     for method in methods:
         row = dict(base, method=method, family=family(method))
         peer = parse_peer(method) if is_peer(method) else None
@@ -128,6 +132,10 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
                     for q in inst.questions
                 ]
                 answered(row, inst, answers)
+                if peer is None:
+                    got = likelihood.method_logprobs(model, tok, pre, method, specs.get(method),
+                                                     inst.questions[0])
+                    row.update(likelihood.compare(ref_lp, got))
         except Exception as exc:
             if peer is None:
                 raise
@@ -139,14 +147,17 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
 
 
 def _write_meta(cfg: BenchConfig) -> None:
-
-    meta = {
+    stored = load_meta(cfg.out)
+    before = {r.get("dtype", "float32") for r in stored.get("runs", [])} - {cfg.dtype}
+    if before:  # done rows are keyed without the dtype: one directory holds one dtype's rows
+        raise ValueError(f"{cfg.out} holds rows of a {before.pop()} model; run --dtype {cfg.dtype} into "
+                         "another --out")
+    meta = {"dtype": cfg.dtype,
         "plan": cfg.plan(), "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n, "seed": cfg.seed,
         "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(),
         "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    stored = load_meta(cfg.out)
     stored["runs"] = stored.get("runs", []) + [meta]  # other keys (the report's decode source) kept
     save_meta(cfg.out, stored)

@@ -13,7 +13,7 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from kvstrata_lab.bench import families
+from kvstrata_lab.bench import families, reasoning
 from kvstrata_lab.bench.corpus import count, prose_and_continuation
 from kvstrata_lab.bench.families import SPLITS
 from kvstrata_lab.bench.haystack import place, special_tokens
@@ -29,7 +29,10 @@ LOOKALIKE = ("lookalike",)
 #: answer kinds, lengths spread below the nominal one); `calib` is what tuning and screening choose
 #: on, `report` what claims are measured on, never the other way round
 FAMILY_TASKS = SPLITS
-KNOWN = TASKS + LOOKALIKE + FAMILY_TASKS
+#: run on request only: the reasoning families (`kvstrata_lab.bench.reasoning`), a step after the
+#: lookup with a probe per needed fact; `calib-reason` chosen on, `report-reason` reported
+REASON_TASKS = reasoning.SPLITS
+KNOWN = TASKS + LOOKALIKE + FAMILY_TASKS + REASON_TASKS
 
 CONTINUATION = 64  # tokens of a fidelity instance's scored continuation
 HEAD = ("There is important information hidden inside a lot of irrelevant text. "
@@ -80,6 +83,8 @@ def make_instance(task: str, tokenizer, n_tokens: int, index: int, seed: int = 0
         return _fidelity(tokenizer, n_tokens, index, seed)
     if task in FAMILY_TASKS:
         return _family_instance(task, tokenizer, n_tokens, index, seed)
+    if task in REASON_TASKS:
+        return _reason_instance(task, tokenizer, n_tokens, index, seed)
     rng, needles, questions, meta = draw(task, n_tokens, index, seed)
     reserve = question_tokens(tokenizer, questions)
     fractions = [rng.random() for _ in needles]
@@ -104,6 +109,23 @@ def _family_instance(split: str, tokenizer, n_tokens: int, index: int, seed: int
                             seed + index)
     except ValueError as exc:
         raise ValueError(f"{split} #{index} ({fam.name}) at {tokens} tokens: {exc}") from None
+    return Instance(split, index, ctx, questions, meta={**meta, "depths": depths},
+                    question_tokens=reserve, special_tokens=special_tokens(tokenizer))
+
+
+def _reason_instance(split: str, tokenizer, n_tokens: int, index: int, seed: int) -> Instance:
+    """A reasoning instance: the main question, then one probe per fact its step needs."""
+    source, head, needles, main, target, probes, meta = reasoning.draw(split, n_tokens, index, seed)
+    questions = (Question(main, (target,), max_new_tokens=16),
+                 *(Question(text, (a,), role="probe", max_new_tokens=16) for text, a in probes))
+    reserve = question_tokens(tokenizer, questions)
+    rng = random.Random(f"{split}/place/{index}/{seed}")
+    fractions = sorted(rng.random() for _ in needles)
+    tokens = meta["tokens"]
+    try:
+        ctx, depths = place(tokenizer, tokens - reserve, head, needles, fractions, source, seed + index)
+    except ValueError as exc:
+        raise ValueError(f"{split} #{index} ({meta['reason_kind']}) at {tokens} tokens: {exc}") from None
     return Instance(split, index, ctx, questions, meta={**meta, "depths": depths},
                     question_tokens=reserve, special_tokens=special_tokens(tokenizer))
 
@@ -235,6 +257,6 @@ def tag_failure(main_score: float, probe_scores: list[float], task: str) -> str 
     """None when the main answer is right; else `retrieval` (a needed fact is lost) or `reasoning`."""
     if main_score >= 1.0:
         return None
-    if task in REASONING and probe_scores and all(p >= 1.0 for p in probe_scores):
+    if task in (*REASONING, *REASON_TASKS) and probe_scores and all(p >= 1.0 for p in probe_scores):
         return "reasoning"
     return "retrieval"

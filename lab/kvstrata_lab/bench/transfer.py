@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
+from kvstrata_lab.bench import likelihood
 from kvstrata_lab.bench.families import SPLITS
 from kvstrata_lab.bench.paired import Delta, paired_delta
 from kvstrata_lab.bench.results import ReportInput, avg, fmt
@@ -35,6 +38,7 @@ def compare(rows: list[dict], method: str, split: str) -> dict | None:
     per = {f: paired_delta(_only(a, f), _only(b, f)) for f in fams}
     mine = [r for r in rows if r["method"] == method and r["task"] == split and "compression" in r]
     shared = a.keys() & b.keys()
+    fit = answer_fit(rows, method, split, shared)
     return {
         "method": method, "split": split, "pooled": pooled, "per_family": per,
         "worst": min(per, key=lambda f: (per[f].lo, per[f].mean)),
@@ -43,8 +47,28 @@ def compare(rows: list[dict], method: str, split: str) -> dict | None:
         "lengths": _span([r["context_tokens"] for r in mine]),
         "right": sum(a[k] >= 1 for k in shared), "bf16_right": sum(b[k] >= 1 for k in shared),
         "lost": sum(b[k] >= 1 > a[k] for k in shared), "gained": sum(a[k] >= 1 > b[k] for k in shared),
-        "holds": all(d.lo >= FLOOR for d in per.values()),
+        "holds_accuracy": all(d.lo >= FLOOR for d in per.values()), **fit,
+        # the likelihood half where measured (older rows: accuracy alone)
+        "holds": all(d.lo >= FLOOR for d in per.values()) and fit.get("holds_likelihood", True),
     }
+
+
+def answer_fit(rows: list[dict], method: str, split: str, keys) -> dict:
+    """The answer-likelihood measure over the instances `keys` (`kvstrata_lab.bench.likelihood`): ΔLL
+    per answer token vs bf16 (stratified by family, 95 % interval), answer-token KL mean and 99th
+    percentile, same-top share; empty where the rows predate the measure."""
+    mine = {(r["text_family"], r["index"]): r for r in rows
+            if r["method"] == method and r["task"] == split and "answer_dll" in r}
+    mine = {k: r for k, r in mine.items() if k in keys}
+    if not mine:
+        return {}
+    dll = paired_delta({k: r["answer_dll"] for k, r in mine.items()}, dict.fromkeys(mine, 0.0))
+    kls = np.concatenate([np.asarray(r["answer_kl"], dtype=float) for r in mine.values()])
+    tokens = sum(r["answer_tokens"] for r in mine.values())
+    same = sum(r["answer_same_top"] * r["answer_tokens"] for r in mine.values()) / tokens
+    holds = dll.lo >= likelihood.DLL_FLOOR and kls.mean() <= likelihood.KL_CEILING
+    return {"dll": dll, "kl_mean": float(kls.mean()), "kl_p99": float(np.percentile(kls, 99)),
+            "same_top": same, "holds_likelihood": holds}
 
 
 def _only(scores: dict, fam: str) -> dict:
@@ -70,7 +94,8 @@ def comparisons(rows: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
     return out
 
 
-def _d(d: Delta) -> str:
+def points(d: Delta) -> str:
+    """`+5 [-2, +12]`: a Δ in points with its interval."""
     pts = lambda v: f"{round(v * 100):+d}"  # noqa: E731
     return f"{pts(d.mean)} [{pts(d.lo)}, {pts(d.hi)}]"
 
@@ -83,21 +108,28 @@ def markdown(found: dict[tuple[str, int, str], list[dict]]) -> str:
            "Each method against bf16 on the same family instances (`report`: what claims are read from; "
            "`calib`: what tuning and screening chose on). Ratio: bf16's bytes ÷ the bytes the method held, "
            "per token, at the lengths it ran (groups, tails, sinks and reservations counted). Δ in points, "
-           "paired, 95 % bootstrap interval, pooled = mean over families. *holds*: every family's lower "
-           "bound ≥ −3 points.\n"]
+           "paired, 95 % bootstrap interval, pooled = mean over families. ΔLL: the reference answer's "
+           "log-likelihood per answer token minus under bf16's cache (nats, 95 % interval); KL: "
+           "KL(bf16 ‖ method) over the answer tokens, mean / 99th percentile; same top: share of answer "
+           f"tokens whose top choice is bf16's. *holds*: every family's lower bound ≥ −3 points and, where "
+           f"measured, ΔLL's lower bound ≥ {likelihood.DLL_FLOOR} and mean KL ≤ {likelihood.KL_CEILING}.\n"]
     for (model, length, split), comps in found.items():
         fams = sorted({f for c in comps for f in c["per_family"]})
         lo, hi = comps[0]["lengths"] or (0, 0)
         n = comps[0]["pooled"].n
         out.append(f"### {model}, ≤ {length} tokens ({lo}–{hi} fed), `{split}` families, n = {n}\n")
         out.append("| method | real ratio | right (bf16) | lost / gained | Δ pooled | worst family | "
-                   + " | ".join(f"Δ {f}" for f in fams) + " | holds |")
-        out.append("|---|---|---|---|---|---|" + "---|" * len(fams) + "---|")
+                   + " | ".join(f"Δ {f}" for f in fams) + " | ΔLL | KL mean / p99 | same top | holds |")
+        out.append("|---|---|---|---|---|---|" + "---|" * len(fams) + "---|---|---|---|")
         for c in comps:
-            cells = [_d(c["per_family"][f]) if f in c["per_family"] else "–" for f in fams]
+            cells = [points(c["per_family"][f]) if f in c["per_family"] else "–" for f in fams]
             head = (f"| `{c['method']}` | {fmt(c['compression'])}× | {c['right']} ({c['bf16_right']}) | "
-                    f"{c['lost']} / {c['gained']} | {_d(c['pooled'])} | {c['worst']} | ")
-            out.append(head + " | ".join(cells) + f" | {'yes' if c['holds'] else 'no'} |")
+                    f"{c['lost']} / {c['gained']} | {points(c['pooled'])} | {c['worst']} | ")
+            fit = "– | – | –"
+            if "dll" in c:
+                fit = (f"{c['dll'].mean:+.3f} [{c['dll'].lo:+.3f}, {c['dll'].hi:+.3f}] | "
+                       f"{c['kl_mean']:.4f} / {c['kl_p99']:.3f} | {c['same_top']:.0%}")
+            out.append(head + " | ".join(cells) + f" | {fit} | {'yes' if c['holds'] else 'no'} |")
         out.append("")
     return "\n".join(out)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstrata.cli.inputs import SEED, field_default, int_in
+from kvstrata.settings import DTYPES
 from kvstrata_lab.bench.config import STOCK, BenchConfig
 
 
@@ -32,6 +33,9 @@ def register(sub) -> None:
     b.add_argument("--seed", type=SEED, default=default("seed"))
     b.add_argument("--haystack", default=default("haystack"), choices=("noise", "natural"))
     b.add_argument("--out", default=str(default("out")))
+    b.add_argument("--dtype", choices=DTYPES, default=default("dtype"),
+                   help="the models' weights and activations (bf16: fast on CPUs with AVX512-BF16); rows "
+                        "record it, and one --out holds one dtype's rows")
     b.add_argument("--quick", action="store_true",
                    help="SmolLM2-135M, 2k, 2 instances per task, 8 methods (< 10 min)")
     b.set_defaults(func=bench)
@@ -114,6 +118,7 @@ def bench(args) -> int:
         haystack=args.haystack,
         out=writable_dir(args.out, "--out"),
         peers=tuple(peers),
+        dtype=args.dtype,
     )
     path = run(cfg)
     print(f"results: {path}")

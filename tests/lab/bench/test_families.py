@@ -14,7 +14,7 @@ from kvstrata_lab.bench.tasks import KNOWN, make_instance
 
 TOK = byte_tokenizer()
 REPORT_SOURCES = {f.source for f in REPORT}
-CALIB_TASKS = [t for t in KNOWN if t != "report"]  # everything a tuner or a screening may read
+CALIB_TASKS = [t for t in KNOWN if not t.startswith("report")]  # all a tuner or a screening may read
 
 
 def fixed_parts(template: str) -> list[str]:
@@ -112,3 +112,23 @@ def test_transfer_counts_per_family_and_names_the_worst():
     assert lost["pooled"].mean == pytest.approx(-0.25) and lost["compression"] == 2.0
     md = transfer.markdown(found)
     assert "`report` families, n = 16" in md and "| `loses` | 2.00× | 12 (16) | 4 / 0 |" in md
+
+
+def test_holds_needs_the_answer_likelihood_where_it_was_measured():
+    """Same accuracy as bf16 everywhere, but the answers' likelihood drops: not *holds*; rows without
+    the measure (older runs) are judged on accuracy alone."""
+    ref = _rows("bf16", [1.0] * 16, 1.0)
+    fits, drifts = _rows("fits", [1.0] * 16), _rows("drifts", [1.0] * 16)
+    for r in fits:
+        r.update(answer_dll=0.0, answer_kl=[0.001, 0.002], answer_tokens=2, answer_same_top=1.0)
+    for r in drifts:
+        r.update(answer_dll=-0.4 - 0.01 * r["index"], answer_kl=[0.3, 0.5], answer_tokens=2,
+                 answer_same_top=0.5)
+    found = transfer.comparisons(ref + fits + drifts + _rows("older", [1.0] * 16))
+    by = {c["method"]: c for c in found[("m", 4096, "report")]}
+    assert by["fits"]["holds"] and by["fits"]["holds_likelihood"] and by["fits"]["kl_mean"] == 0.0015
+    assert by["drifts"]["holds_accuracy"] and not by["drifts"]["holds_likelihood"]
+    assert not by["drifts"]["holds"] and by["drifts"]["dll"].hi < -0.3 and by["drifts"]["same_top"] == 0.5
+    assert by["older"]["holds"] and "dll" not in by["older"]
+    md = transfer.markdown(found)
+    assert "| 0.0015 / 0.002 | 100% | yes |" in md and "| – | – | – | yes |" in md

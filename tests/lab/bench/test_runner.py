@@ -92,3 +92,39 @@ def test_families():
     assert family("snapkv:keep=0.3") == "eviction"
     assert family("streaming:keep=0.3+nvfp4") == "eviction+quant"
     assert family("depth:g=4+nvfp4") == "depth"
+
+
+def test_question_rows_carry_the_answer_likelihood_against_bf16(bench_dir):
+    """Every question row of ours and the stock rows: the reference answer's log-likelihood paired with
+    bf16's cache of the same context; bf16 against itself is exactly nothing, a lossy cache is not."""
+    out, _ = bench_dir
+    qs = [r for r in rows(out) if r["task"] != "fidelity"]
+    assert qs
+    for r in qs:
+        assert r["answer_tokens"] == len(r["answer_kl"]) >= 1
+        assert r["answer_dll"] == pytest.approx((r["answer_ll"] - r["answer_ll_bf16"]) / r["answer_tokens"])
+        assert min(r["answer_kl"]) >= 0 and 0 <= r["answer_same_top"] <= 1
+        if r["method"] == "bf16":
+            assert r["answer_dll"] == 0 and r["answer_kl_mean"] == 0 and r["answer_same_top"] == 1
+    lossy = [r["answer_kl_mean"] for r in qs if r["method"] == "int2:r=8,group=8"]
+    assert min(lossy) > 0  # 2-bit codes move the answer's distributions (a tiny random model: barely)
+    dense = {(r["task"], r["index"]): r["answer_ll"] for r in qs if r["method"] == "dynamic"}
+    static = {(r["task"], r["index"]): r["answer_ll"] for r in qs if r["method"] == "static"}
+    assert dense.keys() == static.keys() and all(
+        abs(dense[k] - static[k]) < 1e-3 for k in dense)  # the two stock caches hold the same K/V
+
+
+def test_likelihood_compare_on_planted_distributions():
+    import torch
+
+    from kvstrata_lab.bench.likelihood import compare
+
+    ref = torch.log_softmax(torch.tensor([[2.0, 0.0, -1.0], [0.0, 3.0, 0.0]]), -1)
+    target = torch.tensor([0, 1])
+    same = compare((ref, target), (ref.clone(), target))
+    assert same["answer_dll"] == 0 and same["answer_kl_mean"] == 0 and same["answer_same_top"] == 1
+    flat = torch.log_softmax(torch.zeros(2, 3), -1)  # uniform: log 3 per token
+    d = compare((ref, target), (flat, target))
+    assert d["answer_ll"] == pytest.approx(2 * -torch.log(torch.tensor(3.0)).item())
+    assert d["answer_dll"] == pytest.approx((d["answer_ll"] - ref[[0, 1], [0, 1]].sum().item()) / 2)
+    assert d["answer_kl_mean"] > 0 and d["answer_same_top"] == 0
