@@ -53,6 +53,7 @@ class StoreConfig:
     secret_file: str = ""  # default: <root>/.kvstrata-secret, created 0600 on first use (local stores)
     previous_secrets: str = field(default="", repr=False)  # comma-separated hex: verify, never sign
     redis_check_seconds: float = 10.0  # how often the live Redis eviction policy is re-checked
+    read_only: bool = False  # serve the store's records, write none (also chosen for a root not writable)
 
     def __post_init__(self):
         for f in fields(self):

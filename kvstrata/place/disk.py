@@ -11,7 +11,12 @@ Invariants:
 - the bytes held stay within the capacity across processes (`ledger`: writes and deletes run under
   one file lock; listed entries that are gone or damaged are reconciled on open);
 - a full disk, a read-only file system or an I/O error is a counted refusal or miss
-  (`faults`), logged once per interval with a count: the request is served without the cache.
+  (`faults`), logged once per interval with a count: the request is served without the cache;
+- a write never replaces a listed entry whose value its `WriteGuard` keeps (another secret's record),
+  checked under the ledger's lock;
+- a read-only tier (`read_only`, or a store root found not writable at start) serves what its ledger
+  lists and changes nothing on disk: writes are counted refusals, damaged or expired entries counted
+  misses left in place.
 Entry layout: MAGIC `KVSD` | version (u16) | 0 (u16) | expiry (float64 LE, 0 = none) | value
 length (u64 LE) | value.
 """
@@ -19,16 +24,28 @@ length (u64 LE) | value.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import struct
 from pathlib import Path
 
 from kvstrata.place import tier as _tier
-from kvstrata.place.disk_root import SUFFIX, classify, new_temp, open_root, stale_temp, valid_key
+from kvstrata.place.disk_root import (
+    SUFFIX,
+    RootNotWritable,
+    StoreRootError,
+    classify,
+    new_temp,
+    open_root,
+    stale_temp,
+    valid_key,
+)
 from kvstrata.place.faults import FaultLog
 from kvstrata.place.ledger import Ledger
-from kvstrata.place.tier import TierBase, TierStats
+from kvstrata.place.tier import TierBase, TierStats, WriteGuard, refuse_read_only
+
+log = logging.getLogger("kvstrata.store")
 
 NOT_LISTED = "not written by this store (its ledger does not list it)"
 
@@ -47,24 +64,38 @@ def _safe(key: str) -> str:
 
 class DiskTier(TierBase):
     """Global KV on local disk. A full tier refuses new writes (counted); it never evicts. A disk
-    fault (full, read-only, I/O error) is a counted refusal or miss, logged once per interval."""
+    fault (full, read-only, I/O error) is a counted refusal or miss, logged once per interval.
+    `read_only`: serve the root's entries, write nothing (also chosen when the root is not writable)."""
 
-    def __init__(self, root: str | Path, capacity_bytes: int, evict: bool = False):
+    def __init__(self, root: str | Path, capacity_bytes: int, evict: bool = False, read_only: bool = False):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
-        self.root = open_root(root)
+        self.read_only = "read_only = true" if read_only else ""
+        found = ""  # why a root we were to write is not writable
+        try:
+            self.root = open_root(root, read_only=read_only)
+        except RootNotWritable as exc:
+            self.root, found = open_root(root, read_only=True), str(exc)
+            self.read_only = f"{found}: served read-only"
         self.capacity = capacity_bytes
         self.evict = evict
         self.stats = TierStats()
         self.faults = FaultLog(self.stats, f"disk store {self.root}")
         self.skipped: dict[str, str] = {}  # entry name -> why it was left alone
-        self.ledger = Ledger(self.root)
+        try:
+            self.ledger = Ledger(self.root, read_only=bool(self.read_only))
+        except StoreRootError as exc:
+            raise StoreRootError(f"{found}, nor served read-only: {exc}" if found else str(exc)) from None
+        if found:
+            log.warning("kvstrata: %s (hits served, writes refused and counted)", self.read_only)
         with self.ledger.locked():  # no writer is mid-write while we hold it
-            self._reap_stale_temps()
+            if not self.read_only:
+                self._reap_stale_temps()
             if self.ledger.fresh:  # a root from before the ledger listed entries: adopt whole ones
                 self.ledger.adopt(self._legacy_entries())
-            self._reconcile()
-            self.ledger.compact()
+            if not self.read_only:
+                self._reconcile()
+                self.ledger.compact()
 
     def _path(self, key: str) -> Path:
         return self.root / (_safe(key) + SUFFIX)
@@ -139,15 +170,21 @@ class DiskTier(TierBase):
         self.skipped[name] = why
 
     # --- writing ---------------------------------------------------------------------------------
-    def put(self, key: str, value: bytes, ttl_s: float | None = None) -> bool:
+    def put(self, key: str, value: bytes, ttl_s: float | None = None,
+            guard: WriteGuard | None = None) -> bool:
         path = self._path(key)
         size = _HEAD.size + len(value)
+        if self.read_only:
+            return refuse_read_only(self)
         if size > self.capacity:
             self.stats.refused += 1
             return False
         expiry = 0.0 if ttl_s is None else _tier.now() + ttl_s
         try:
             with self.ledger.locked():
+                if guard is not None and self._kept(key, guard):
+                    self.stats.writes_skipped_foreign += 1
+                    return False
                 head = _HEAD.pack(MAGIC, VERSION, 0, expiry, len(value))
                 if not self._publish(key, path, size, head, value):
                     self.stats.refused += 1
@@ -159,6 +196,18 @@ class DiskTier(TierBase):
             return False
         self.stats.writes += 1
         return True
+
+    def _kept(self, key: str, guard: WriteGuard) -> bool:
+        """Whether `key`'s listed, live entry holds a value `guard` keeps (under the ledger lock)."""
+        listed = self.ledger.size(key)
+        f, st, head = self._open(self._path(key)) if listed is not None else (None, None, None)
+        if f is None:
+            return False
+        with f:
+            if self._state(st, head, listed) != "ours":
+                return False
+            _, _, _, expiry, length = _HEAD.unpack(head)
+            return not (expiry and expiry <= _tier.now()) and guard.keeps(f.read(guard.head_bytes), length)
 
     def _publish(self, key: str, path: Path, size: int, head: bytes, value: bytes) -> bool:
         """Write `key`'s entry in place of ours (under the ledger lock); False when it may not."""
@@ -190,6 +239,8 @@ class DiskTier(TierBase):
         return True
 
     def _remove(self, key: str) -> None:
+        if self.read_only:  # counted by the caller, left in place
+            return
         path = self._path(key)
         try:
             with self.ledger.locked():
@@ -291,6 +342,7 @@ class DiskTier(TierBase):
         self._scan()
         return {
             "root": str(self.root), "capacity_bytes": self.capacity,
+            **({"read_only": self.read_only} if self.read_only else {}),
             "skipped": dict(sorted(self.skipped.items())), "faults": self.faults.counts(),
         }
 

@@ -41,14 +41,25 @@ class StoreRootError(ValueError):
     """The directory cannot serve as a store root (not ours, not a directory, not writable)."""
 
 
+class RootNotWritable(StoreRootError):
+    """A store root (marked) this process cannot write: the disk tier then serves it read-only."""
+
+
 def valid_key(key: str) -> bool:
     return isinstance(key, str) and _KEY.fullmatch(key) is not None
 
 
-def open_root(root: str | Path) -> Path:
-    """Check (or make) `root` a writable store root; returns it. Raises StoreRootError."""
+def open_root(root: str | Path, read_only: bool = False) -> Path:
+    """Check (or make) `root` a writable store root; returns it. Raises StoreRootError, `RootNotWritable`
+    when it is a store root this process cannot write. `read_only`: only check that `root` is a store
+    root (nothing created or written)."""
     path = Path(root).expanduser()
     shown = str(path) if str(root) else f"'' (the current directory, {Path.cwd()})"
+    if read_only:
+        if not path.is_dir() or not (path / MARKER).is_file() or (path / MARKER).is_symlink():
+            raise StoreRootError(f"store root {shown} (read-only) is not a store root: no {MARKER} marker in "
+                                 "a directory (a read-only store serves a root a writer filled)")
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
@@ -69,19 +80,20 @@ def open_root(root: str | Path) -> Path:
             f"store root {shown} is not empty and has no {MARKER} marker: refusing to use a directory "
             "kvstrata did not create (choose an empty or new directory)"
         )
-    _probe_writable(path, shown)
+    _probe_writable(path, shown, marked=MARKER in names)
     if MARKER not in names:
         _publish(path / MARKER, MARKER_TEXT.encode())
     return path
 
 
-def _probe_writable(path: Path, shown: str) -> None:
+def _probe_writable(path: Path, shown: str, marked: bool) -> None:
     try:
         fd, tmp = new_temp(path)
         os.close(fd)
         os.unlink(tmp)
     except OSError as exc:
-        raise StoreRootError(f"store root {shown} is not writable: {exc.strerror or exc}") from None
+        raise (RootNotWritable if marked else StoreRootError)(
+            f"store root {shown} is not writable: {exc.strerror or exc}") from None
 
 
 def _publish(path: Path, data: bytes) -> None:

@@ -12,6 +12,8 @@ picks up the others' lines each time it takes the lock, and the journal is compa
 atomically; readers notice the new file) when it has grown well past what it lists. A writer
 lists an entry before publishing it, so a crash leaves at worst a listed entry that is missing or
 damaged -- the store's own, so reconciled on the next open, never a stray file taken for ours.
+A read-only ledger (a root this process cannot write) reads the journal and changes nothing on disk:
+it locks when the lock file can be opened, and a root without a journal is adopted in memory only.
 """
 
 from __future__ import annotations
@@ -31,28 +33,35 @@ _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 class Ledger:
     _fd = -1  # so a ledger that failed to open closes quietly
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, read_only: bool = False):
         self.path = root / LEDGER
         self.journal = root / OWNED
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | _FLAGS, 0o600)  # a lock only
-        except OSError as exc:
-            raise StoreRootError(
-                f"cannot open the capacity ledger {self.path}: {exc.strerror or exc}") from None
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
-            self.close()
-            raise StoreRootError(f"{self.path} is not a regular file")
+        self.read_only = read_only
         self._thread = threading.Lock()
         self.owned: dict[str, int] = {}
         self.total = 0
         self._seen: tuple[int, int] = (-1, 0)  # (inode, bytes) of the journal read so far
         self._lines = 0
         self.fresh = False  # no journal existed at the first read: the root predates this ledger
+        try:  # a lock only
+            self._fd = os.open(self.path, os.O_RDONLY | (0 if read_only else os.O_CREAT) | _FLAGS, 0o600)
+        except OSError as exc:
+            if read_only and isinstance(exc, FileNotFoundError):
+                return  # nothing to lock: nobody has written this root with a ledger
+            raise StoreRootError(
+                f"cannot open the capacity ledger {self.path}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            self.close()
+            raise StoreRootError(f"{self.path} is not a regular file")
 
     @contextlib.contextmanager
     def locked(self):
         """Exclusive hold of the root's entries (and this ledger), with the others' changes read in."""
         with self._thread:
+            if self._fd < 0:  # read-only, no lock file: nobody writes this root
+                self._catch_up()
+                yield self
+                return
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 self._catch_up()
@@ -76,15 +85,17 @@ class Ledger:
             self._apply(key, None)
 
     def adopt(self, found: dict[str, int]) -> None:
-        """Start the journal of a root that predates it with the entries `found` there; under `locked`."""
-        self._append("".join(f"+{k} {n}\n" for k, n in found.items()))
+        """Start the journal of a root that predates it with the entries `found` there (read-only: in
+        memory only); under `locked`."""
+        if not self.read_only:
+            self._append("".join(f"+{k} {n}\n" for k, n in found.items()))
         for key, n in found.items():
             self._apply(key, n)
         self.fresh = False
 
     def compact(self) -> None:
         """Rewrite the journal as just what it lists, when it has grown well past that; under `locked`."""
-        if self._lines <= 2 * len(self.owned) + 1024:
+        if self.read_only or self._lines <= 2 * len(self.owned) + 1024:
             return
         fd, tmp = new_temp(self.path.parent)
         try:
@@ -107,6 +118,8 @@ class Ledger:
             self.total += nbytes
 
     def _append(self, line: str) -> None:
+        if self.read_only:
+            raise StoreRootError(f"the ledger of {self.path.parent} is read-only")
         fd = os.open(self.journal, os.O_RDWR | os.O_APPEND | os.O_CREAT | _FLAGS, 0o600)
         try:
             data = line.encode()

@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 
 from kvstrata.place import tier as _tier
-from kvstrata.place.tier import TierBase, TierStats
+from kvstrata.place.tier import TierBase, TierStats, WriteGuard
 
 
 class MemoryTier(TierBase):
@@ -50,8 +50,14 @@ class MemoryTier(TierBase):
             self.stats.hits += 1
             return item[0]
 
-    def put(self, key: str, value: bytes, ttl_s: float | None = None) -> bool:
+    def put(self, key: str, value: bytes, ttl_s: float | None = None,
+            guard: WriteGuard | None = None) -> bool:
         with self._lock:
+            old = self._data.get(key)
+            live = old is not None and (old[1] is None or old[1] > _tier.now())
+            if guard is not None and live and guard.keeps(old[0][: guard.head_bytes], len(old[0])):
+                self.stats.writes_skipped_foreign += 1
+                return False
             if len(value) > self.capacity:
                 self.stats.refused += 1
                 return False

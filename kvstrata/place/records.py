@@ -26,6 +26,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from kvstrata.names import TierClass
+from kvstrata.place.tier import WriteGuard
 
 MAGIC = b"KVSR"
 VERSION = 4  # 3: no secret id; 2: payloads of dense-decoded blocks re-encoded per record
@@ -52,6 +53,15 @@ class UnverifiableRecord(RecordError):
 def secret_id(secret: bytes) -> bytes:
     """The public id of a signing secret (a record names the secret that signed it by this)."""
     return hashlib.sha256(b"kvstrata-secret-id\0" + secret).digest()[:SECRET_ID_BYTES]
+
+
+def write_guard(secrets: Sequence[bytes]) -> WriteGuard:
+    """The rule a store's writes follow: never replace a record that `verify_record` would call
+    unverifiable with these secrets (another signer, another version; see `tier.WriteGuard`)."""
+    if not secrets:
+        raise ValueError("a write guard needs at least one secret")
+    return WriteGuard(magic=MAGIC, version=struct.pack("<H", VERSION), id_at=8,
+                      ids=frozenset(secret_id(s) for s in secrets), min_length=HEADER_BYTES)
 
 
 def key_digest(key: str) -> bytes:

@@ -12,7 +12,12 @@ tier unless the caller opts in (then `describe` says retention is not guaranteed
 Redis can change under a running store (`CONFIG SET maxmemory-policy allkeys-lru`): the policy and
 the server's `evicted_keys` are re-checked every `check_interval_s` on the serving path and at once
 when a listed record is gone; while they break retention, `problems()` says so (stats, /health,
-metrics) and global writes are refused (counted), until the server is fixed.
+metrics) and global writes are refused (counted), until the server is fixed. A server's `evicted_keys`
+that goes down (`CONFIG RESETSTAT`, a restart) re-baselines the count, and the check says that keys
+evicted before it may be unknown.
+A write with a `WriteGuard` is one Lua script (`GUARDED_SET`): Redis reads the head of what the key
+holds and sets the new value only if the guard does not keep it, atomically -- another fleet member's
+write can land between our read and our set no other way.
 """
 
 from __future__ import annotations
@@ -20,9 +25,42 @@ from __future__ import annotations
 import time
 from urllib.parse import urlsplit
 
-from kvstrata.place.tier import StoreUnavailable, TierBase, TierStats
+from kvstrata.place.tier import StoreUnavailable, TierBase, TierStats, WriteGuard, refuse_read_only
 
 SAFE_POLICY = "noeviction"
+
+#: `tier.WriteGuard.keeps`, in Redis: KEYS[1] the key; ARGV value, PX ms ("" for none), magic, version,
+#: id offset (0-based), id length, min length, then the ids that may be replaced. 1: set, 0: kept; the
+#: SET's own error (OOM on a full server) as the script's reply.
+GUARDED_SET = """
+local n = redis.call('STRLEN', KEYS[1])
+if n >= tonumber(ARGV[7]) then
+  local at, len = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local head = redis.call('GETRANGE', KEYS[1], 0, at + len - 1)
+  local magic, version = ARGV[3], ARGV[4]
+  if string.sub(head, 1, #magic) == magic then
+    local keep = string.sub(head, #magic + 1, #magic + #version) ~= version
+    if not keep then
+      keep = true
+      local id = string.sub(head, at + 1, at + len)
+      for i = 8, #ARGV do
+        if ARGV[i] == id then keep = false; break end
+      end
+    end
+    if keep then return 0 end
+  end
+end
+local done
+if ARGV[2] == '' then done = redis.pcall('SET', KEYS[1], ARGV[1])
+else done = redis.pcall('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+if type(done) == 'table' and done.err then return done end
+return 1
+"""
+
+
+def _guard_args(guard: WriteGuard) -> list:
+    ids = sorted(guard.ids)
+    return [guard.magic, guard.version, guard.id_at, len(ids[0]), guard.min_length, *ids]
 
 
 class EvictionPolicyError(ValueError):
@@ -40,7 +78,7 @@ class RedisTier(TierBase):
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvstrata", cluster: bool = False,
                  socket_timeout: float = 0.5, retries: int = 1, max_connections: int = 16, client=None,
-                 check_interval_s: float = 10.0):
+                 check_interval_s: float = 10.0, read_only: bool = False):
         import redis  # optional dependency (the redis extra)
 
         self._x = redis.exceptions
@@ -51,6 +89,7 @@ class RedisTier(TierBase):
         self.stats = TierStats()
         self.server: dict = {}
         self.check_interval_s = check_interval_s
+        self.read_only = "read_only = true" if read_only else ""
         self._guard: dict | None = None  # set by connect(global_class=True): what retention needs
         self._checked = 0.0
         self._problems: list[str] = []
@@ -85,12 +124,18 @@ class RedisTier(TierBase):
                     self.stats.errors += 1
                     return None
                 time.sleep(0.01 * (attempt + 1))
-            except self._x.OutOfMemoryError:
-                self._count("refused_out_of_memory")
+            except self._x.RedisError as exc:  # refused by the server: OOM, NOPERM, READONLY, WRONGTYPE, ...
+                if self._out_of_memory(exc):
+                    self._count("refused_out_of_memory")
+                else:
+                    self.stats.errors += 1
                 return None
-            except self._x.RedisError:  # refused by the server: NOPERM, READONLY, WRONGTYPE, ...
-                self.stats.errors += 1
-                return None
+
+    def _out_of_memory(self, exc) -> bool:
+        """A full `noeviction` server's refusal: OOM, or a script's SET refused with it (Redis 6 prefixes
+        the script's line to the message)."""
+        return isinstance(exc, self._x.OutOfMemoryError) or (
+            isinstance(exc, self._x.ResponseError) and "OOM command not allowed" in str(exc))
 
     def _count(self, what: str, n: int = 1) -> None:
         self.stats.extra[what] = self.stats.extra.get(what, 0) + n
@@ -111,11 +156,23 @@ class RedisTier(TierBase):
         self.stats.refused += n
         return True
 
-    def put(self, key: str, value: bytes, ttl_s: float | None = None, group: str = "") -> bool:
+    def _set(self, target, key: str, value: bytes, px: int | None, guard: WriteGuard | None):
+        """SET, or with a guard the `GUARDED_SET` script (1: set, 0: kept), on a client or a pipeline."""
+        if guard is None:
+            return target.set(key, value, px=px)
+        return target.eval(GUARDED_SET, 1, key, value, "" if px is None else px, *_guard_args(guard))
+
+    def put(self, key: str, value: bytes, ttl_s: float | None = None, guard: WriteGuard | None = None,
+            group: str = "") -> bool:
+        if self.read_only:
+            return refuse_read_only(self)
         if self._write_stopped(1):
             return False
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        ok = self._call(lambda: self.client.set(self._key(key, group), value, px=px))
+        ok = self._call(lambda: self._set(self.client, self._key(key, group), value, px, guard))
+        if guard is not None and ok == 0:
+            self.stats.writes_skipped_foreign += 1
+            return False
         if ok:
             self.stats.writes += 1
             return True
@@ -140,8 +197,13 @@ class RedisTier(TierBase):
         self.stats.hits += len(out) - out.count(None)
         return out
 
-    def put_many(self, items: list[tuple[str, bytes]], ttl_s: float | None = None, group: str = "") -> bool:
-        """One pipelined round trip; True when every item was stored (each refusal is counted)."""
+    def put_many(self, items: list[tuple[str, bytes]], ttl_s: float | None = None, group: str = "",
+                 guard: WriteGuard | None = None) -> bool:
+        """One pipelined round trip; True when every item was stored (each refusal or skip is counted)."""
+        if self.read_only:
+            for _ in items:
+                refuse_read_only(self)
+            return not items
         if self._write_stopped(len(items)):
             return False
         px = None if ttl_s is None else max(1, int(ttl_s * 1000))
@@ -149,17 +211,21 @@ class RedisTier(TierBase):
         def run():
             pipe = self.client.pipeline(transaction=False)
             for k, v in items:
-                pipe.set(self._key(k, group), v, px=px)
+                self._set(pipe, self._key(k, group), v, px, guard)
             return pipe.execute(raise_on_error=False)
 
         results = self._call(run) or [None] * len(items)
-        ok = sum(r is True for r in results)
-        self._count("refused_out_of_memory", sum(isinstance(r, self._x.OutOfMemoryError) for r in results))
+        ok = sum(r is True or (guard is not None and r == 1) for r in results)
+        kept = sum(guard is not None and r == 0 for r in results)
+        self._count("refused_out_of_memory", sum(self._out_of_memory(r) for r in results))
         self.stats.writes += ok
-        self.stats.refused += len(items) - ok
+        self.stats.writes_skipped_foreign += kept
+        self.stats.refused += len(items) - ok - kept
         return ok == len(items)
 
     def delete(self, key: str, group: str = "") -> None:
+        if self.read_only:
+            return
         self._call(lambda: self.client.delete(self._key(key, group)))
 
     # --- admin path: failures raise StoreUnavailable ----------------------------------------------
@@ -192,7 +258,7 @@ class RedisTier(TierBase):
             "retention_guaranteed": policies == [SAFE_POLICY],
         }
         if global_class and not allow_eviction:
-            self._guard = {"evicted_keys": evicted}
+            self._guard = {"evicted_keys": evicted, "lost": 0, "reset": False}
             self._checked = time.monotonic()
         return self.server
 
@@ -229,13 +295,23 @@ class RedisTier(TierBase):
         if policies != [SAFE_POLICY]:
             problems.append(f"Redis at {self.where} now has maxmemory-policy {policy}: it may evict global "
                             f"KV before its retention; global writes stopped until it is {SAFE_POLICY} again")
-        lost = evicted - self._guard["evicted_keys"]
-        self.stats.evicted = max(self.stats.evicted, lost)
-        if lost > 0:
-            problems.append(f"Redis at {self.where} evicted {lost} keys since this store connected "
+        guard, seen = self._guard, self._guard["evicted_keys"]
+        if evicted < seen:  # the counter went down (CONFIG RESETSTAT, a restart): count again from here
+            guard["reset"] = True
+            self._count("evicted_counter_resets")
+        else:
+            guard["lost"] += evicted - seen
+            self.stats.evicted += evicted - seen
+        guard["evicted_keys"] = evicted
+        if guard["lost"] > 0:
+            problems.append(f"Redis at {self.where} evicted {guard['lost']} keys since this store connected "
                             "(server-wide count): global KV may have been lost before its retention")
-            if policies == [SAFE_POLICY]:  # the operator fixed it: the loss is reported once, then cleared
-                self._guard["evicted_keys"] = evicted
+        if guard["reset"]:
+            problems.append(f"Redis at {self.where}: its evicted_keys count went down (CONFIG RESETSTAT or a "
+                            "restart), so keys evicted before that are unknown: global KV may have been lost "
+                            "before its retention")
+        if policies == [SAFE_POLICY]:  # the operator fixed it: a loss is reported once, then cleared
+            guard["lost"], guard["reset"] = 0, False
         self.server["retention_guaranteed"] = not problems
         if problems:
             self.server["problems"] = problems
@@ -268,6 +344,8 @@ class RedisTier(TierBase):
         ]
 
     def set_ttl(self, key: str, ttl_s: float, group: str = "") -> bool:
+        if self.read_only:
+            return False
         return bool(
             self._admin(
                 lambda: self.client.pexpire(self._key(key, group), max(1, int(ttl_s * 1000))), "setting a TTL"
@@ -275,4 +353,5 @@ class RedisTier(TierBase):
         )
 
     def describe(self) -> dict:
-        return dict(self.server) or {"server": self.where}
+        out = dict(self.server) or {"server": self.where}
+        return {**out, "read_only": self.read_only} if self.read_only else out

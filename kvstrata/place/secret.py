@@ -8,7 +8,9 @@ it could forge records.
 
 A shared tier (Redis) holds many machines' records: each must sign with the same fleet secret, so
 such a store never creates one of its own -- it needs an explicit secret (`secret`, the environment,
-or `secret_file`), and `previous_secrets` (verify only) lets a fleet rotate without losing its KV.
+or `secret_file`, which must exist: a mistyped path never makes up a new secret), and `previous_secrets`
+(verify only) lets a fleet rotate without losing its KV. A read-only store never creates one either: it
+could verify nothing with it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ def load_or_create(path: str | Path) -> bytes:
     return _read(path)
 
 
+def read_existing(path: str | Path, why: str) -> bytes:
+    """The secret in `path`, which must exist (`why`: why it is never created here)."""
+    try:
+        return _read(Path(path))
+    except FileNotFoundError:
+        raise SecretError(f"secret_file {path} does not exist: {why}") from None
+
+
 def _read(path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -91,11 +101,16 @@ def parse_list(text: str, where: str) -> tuple[bytes, ...]:
 
 def fleet_secrets(cfg, default_file: Callable[[], Path]) -> tuple[bytes, tuple[bytes, ...]]:
     """(signing secret, secrets that only verify) of a store config; a local store creates its
-    secret file on first use, a shared one refuses to run without an explicit secret."""
+    secret file on first use, a shared or read-only one refuses to run without an existing secret."""
+    why = ("a store on Redis is shared by a fleet and never makes up a secret: put the fleet's secret there "
+           "(hex, mode 0600), or set secret / KVSTRATA_STORE_SECRET" if cfg.redis_url else
+           "a read-only store never makes up a secret (it could verify no record with it)")
     if cfg.secret:
         secret = parse_hex(cfg.secret, "secret")
     elif cfg.secret_file:
-        secret = load_or_create(cfg.secret_file)
+        shared = cfg.redis_url or cfg.read_only
+        secret = read_existing(cfg.secret_file, why) if shared else load_or_create(cfg.secret_file)
     else:
-        secret = load_or_create(default_file())
+        path = default_file()
+        secret = read_existing(path, why) if cfg.read_only else load_or_create(path)
     return secret, parse_list(cfg.previous_secrets, "previous_secrets")

@@ -15,6 +15,10 @@ anything else is a miss, counted (`stats.corrupt`) and removed -- except a recor
 secret this store does not hold (another fleet's, a rotated-out one) or of another record version:
 counted apart (`stats.unverifiable`) and left alone, since in a shared tier it may be another
 machine's good KV; the admin commands delete those only when told the secret id to delete.
+Writes keep the same rule (`records.write_guard`): a put never replaces a record this store cannot
+verify -- a fleet member with the wrong secret misses on the fleet's records and its writes of them are
+skipped (`stats.writes_skipped_foreign`), so neither side erases the other's. A read-only store
+(`read_only`, or a disk root found not writable) serves hits and refuses writes, counted.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from kvstrata.names import Retention, ServeKind, TierClass
 from kvstrata.place.disk import DiskTier
-from kvstrata.place.disk_root import SECRET, open_root
+from kvstrata.place.disk_root import SECRET
 from kvstrata.place.memory import MemoryTier
 from kvstrata.place.records import (
     SECRET_ID_BYTES,
@@ -37,6 +42,7 @@ from kvstrata.place.records import (
     parse_payload,
     secret_id,
     verify_record,
+    write_guard,
 )
 from kvstrata.place.redis_tier import RedisTier
 from kvstrata.place.secret import fleet_secrets
@@ -102,6 +108,12 @@ class KVStore:
         self.swa_ttl_s = swa_ttl_s
         self.secret = secrets.token_bytes(32) if secret is None else secret
         self.secrets = (self.secret, *previous_secrets)  # the first signs, all verify
+        self.guard = write_guard(self.secrets)  # what a write may replace: only records these verify
+
+    @property
+    def read_only(self) -> str:
+        """Why the persistent tier takes no writes ("" when it does)."""
+        return self.global_tier.read_only
 
     def _tier(self, klass: TierClass, retention: Retention = Retention.PERSISTENT) -> Tier:
         if TierClass(klass) is TierClass.SWA:
@@ -121,7 +133,7 @@ class KVStore:
         by_ttl = tier.retention_by_ttl and self.retention_s > 0
         blob = encode_record(tensors, meta, key=key, secret=self.secret, klass=TierClass.GLOBAL,
                              namespace=namespace)
-        return tier.put(key, blob, ttl_s=self.retention_s if by_ttl else None)
+        return tier.put(key, blob, ttl_s=self.retention_s if by_ttl else None, guard=self.guard)
 
     def get_global(self, key: str, namespace: bytes | None = None):
         """(tensors, meta) of a verified global record, or None (missing, expired, or rejected)."""
@@ -131,7 +143,7 @@ class KVStore:
     def put_swa(self, key: str, tensors, meta: dict, namespace: bytes = b"") -> bool:
         blob = encode_record(tensors, meta, key=key, secret=self.secret, klass=TierClass.SWA,
                              namespace=namespace)
-        return self.swa_tier.put(key, blob, ttl_s=self.swa_ttl_s)
+        return self.swa_tier.put(key, blob, ttl_s=self.swa_ttl_s, guard=self.guard)
 
     def get_swa(self, key: str, namespace: bytes | None = None):
         return self._verified(TierClass.SWA, key, namespace)
@@ -215,13 +227,14 @@ class KVStore:
         """Embedded default: local disk for global KV (or Redis when `redis_url` is set, after checking
         it can be reached and keeps retention), RAM pool for SWA, the store's persistent secret."""
 
-        secret, previous = fleet_secrets(cfg, lambda: open_root(cfg.root) / SECRET)
         if cfg.redis_url:
+            secret, previous = fleet_secrets(cfg, lambda: Path(cfg.root).expanduser() / SECRET)
             g = RedisTier(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=cfg.redis_timeout_seconds,
-                          check_interval_s=cfg.redis_check_seconds)
+                          check_interval_s=cfg.redis_check_seconds, read_only=cfg.read_only)
             g.connect(global_class=True, allow_eviction=cfg.redis_allow_eviction)
         else:
-            g = DiskTier(cfg.root, int(cfg.global_capacity_gb * 2**30))
+            g = DiskTier(cfg.root, int(cfg.global_capacity_gb * 2**30), read_only=cfg.read_only)
+            secret, previous = fleet_secrets(cfg, lambda: g.root / SECRET)
         return cls(
             g, MemoryTier(cfg.swa_capacity_bytes), cfg.retention_hours * 3600, cfg.swa_ttl_seconds, secret,
             previous_secrets=previous,
@@ -229,6 +242,8 @@ class KVStore:
 
     # --- admin ------------------------------------------------------------------------------------
     def stats(self) -> dict:
+        """Every tier's counters and description; a tier's live check runs first (forced)."""
+        self.problems(force=True)
         out = {}
         for name, t in (("global", self.global_tier), ("swa", self.swa_tier)):
             out[name] = {"keys": len(t.keys()), "bytes": t.nbytes(), **asdict(t.stats)}

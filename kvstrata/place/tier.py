@@ -1,4 +1,5 @@
-"""The tier contract: bytes in, bytes out, by key, with an optional time to live."""
+"""The tier contract: bytes in, bytes out, by key, with an optional time to live; a write may carry
+a `WriteGuard`, and a tier may be read-only."""
 
 from __future__ import annotations
 
@@ -19,7 +20,41 @@ class TierStats:
     corrupt: int = 0  # records that failed verification and were removed
     unverifiable: int = 0  # records signed by a secret this store does not hold: misses, left alone
     skipped: int = 0  # entries the tier did not create, left alone (disk: other files, links, FIFOs)
+    writes_skipped_foreign: int = 0  # writes not made: the key holds a record another secret signed
+    refused_read_only: int = 0  # writes a read-only tier declined (also counted in `refused`)
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WriteGuard:
+    """What a write may replace. Invariant: a write never replaces a value that is a record this store
+    cannot verify -- another secret's (a fleet member with the wrong secret) or another record version
+    -- so in a shared tier neither side erases the other's KV. The rule reads only a value's first
+    `head_bytes` bytes and its length, so Redis applies it atomically (`redis_tier`'s Lua script) and the
+    disk tier under its ledger's lock. Built by `records.write_guard`, which owns the record layout.
+
+    A value is kept when it is at least `min_length` bytes, starts with `magic`, and either its version
+    (`version`, right after the magic) is another or the signer id at `id_at` is none of `ids`. Anything
+    else (no record, a cut one, one of ours) may be replaced: the store would remove it as corrupt."""
+
+    magic: bytes
+    version: bytes
+    id_at: int
+    ids: frozenset[bytes]
+    min_length: int
+
+    @property
+    def head_bytes(self) -> int:
+        return self.id_at + len(next(iter(self.ids)))
+
+    def keeps(self, head: bytes, length: int) -> bool:
+        """True when the value already under the key (its first `head_bytes` bytes, its total length)
+        must not be replaced."""
+        n = len(self.magic)
+        if length < self.min_length or head[:n] != self.magic:
+            return False
+        other_version = head[n:n + len(self.version)] != self.version
+        return other_version or head[self.id_at:self.head_bytes] not in self.ids
 
 
 class StoreUnavailable(RuntimeError):
@@ -31,6 +66,8 @@ class Tier(Protocol):
     """Everything the store calls on a tier (`TierBase` supplies the optional parts' defaults)."""
 
     stats: TierStats
+    #: why the tier takes no writes ("" when it does): `read_only = true`, or a root found not writable
+    read_only: str
     #: the store keeps global retention as a TTL on each record (Redis) rather than by age scans
     retention_by_ttl: ClassVar[bool]
 
@@ -38,8 +75,10 @@ class Tier(Protocol):
         """The stored value, or None (missing, expired, or unreachable: a miss either way)."""
         ...
 
-    def put(self, key: str, value: bytes, ttl_s: float | None = None) -> bool:
-        """Store `value`; False when the tier declined (full, unreachable)."""
+    def put(self, key: str, value: bytes, ttl_s: float | None = None,
+            guard: WriteGuard | None = None) -> bool:
+        """Store `value`; False when the tier declined (full, unreachable, read-only) or when `guard` keeps
+        what the key holds (counted in `stats.writes_skipped_foreign`)."""
         ...
 
     def delete(self, key: str) -> None: ...
@@ -81,6 +120,7 @@ class TierBase:
     times unknown, nothing to reclaim (a tier overrides what it can do)."""
 
     retention_by_ttl: ClassVar[bool] = False
+    read_only: str = ""
 
     def describe(self) -> dict:
         return {}
@@ -99,6 +139,13 @@ class TierBase:
 
     def problems(self, force: bool = False) -> list[str]:
         return []
+
+
+def refuse_read_only(tier) -> bool:
+    """False, the write counted as refused by a read-only tier."""
+    tier.stats.refused += 1
+    tier.stats.refused_read_only += 1
+    return False
 
 
 def now() -> float:

@@ -102,10 +102,12 @@ def create_app(rt: Runtime) -> FastAPI:
         waiting, active = rt.worker.load()
         pending = rt.store.pending if rt.store is not None else 0
         problems = rt.store.problems() if rt.store is not None else []
+        read_only = rt.store.read_only if rt.store is not None else ""
         return {
             "status": "degraded" if problems else "ok", "model": rt.cfg.name, "store": rt.store is not None,
             "pending_writes": pending, "waiting": waiting, "active": active,
             **({"store_problems": problems} if problems else {}),
+            **({"store_read_only": read_only} if read_only else {}),  # hits served, writes refused
         }
 
     @app.get("/metrics")

@@ -2,7 +2,9 @@
 
 Request-side series are counted as requests finish; the store's tier counters (hits, misses,
 corrupt records removed, transport errors, ...) are read from each tier's `TierStats` at scrape
-time, so a Redis that went away shows up as `kvstrata_store_errors_total{tier="global"}`.
+time, so a Redis that went away shows up as `kvstrata_store_errors_total{tier="global"}`, writes another
+secret's records kept from as `kvstrata_store_writes_skipped_foreign_total`, a read-only store as
+`kvstrata_store_read_only 1` and its refused writes as `kvstrata_store_refused_read_only_total`.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class _StoreCollector:
             "kvstrata_store_retention_ok",
             "1 while the store keeps its retention guarantee (what breaks it: /health)",
             value=0 if self.store.problems() else 1,
+        )
+        yield GaugeMetricFamily(
+            "kvstrata_store_read_only", "1 while the persistent tier takes no writes (why: /health)",
+            value=1 if self.store.read_only else 0,
         )
         yield CounterMetricFamily(
             "kvstrata_store_write_failures", "record writes that raised", value=self.store.write_failures

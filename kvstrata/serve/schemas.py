@@ -3,14 +3,19 @@
 Types are strict (`"5"` is not a number, `1` is not a boolean, NaN is not a temperature); fields
 this server does not know are ignored, as OpenAI-compatible servers do; fields it knows but
 cannot honour (tools, logprobs, n > 1, ...) are refused by name rather than silently dropped.
+Every string field is `Text`: text that encodes as UTF-8. JSON can carry a lone UTF-16 surrogate
+(`"\ud800"`) that no tokenizer, store key or log line can encode; it is refused here (400, naming the
+field), never deeper in as a 500. A NUL is a character like any other (it encodes, tokenizes and
+hashes), so it is not refused.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -22,6 +27,19 @@ from pydantic import (
 )
 
 from kvstrata.serve.errors import APIError
+
+
+def _encodable(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: a lone surrogate {ascii(v[e.start])} at character "
+                         f"{e.start}") from None
+    return v
+
+
+#: every string a request carries: strict (no coercion) and encodable as UTF-8
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
 
 MAX_STOPS = 4  # as OpenAI
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias",
@@ -38,17 +56,17 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: StrictStr
+    model: Text
     max_tokens: StrictInt | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = Field(None, max_length=256)
-    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=1024)
-    prompt_cache_key: StrictStr | None = Field(None, max_length=1024)
+    user: Text | None = Field(None, max_length=256)
+    cache_salt: Text | None = Field(None, min_length=1, max_length=1024)
+    prompt_cache_key: Text | None = Field(None, max_length=1024)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     n: StrictInt = Field(1, ge=1, le=1)
     presence_penalty: float = Field(0.0, ge=0, le=0)
@@ -90,7 +108,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] = Field(...)
+    prompt: Text | list[StrictInt] | list[Text] = Field(...)
     echo: StrictBool = False
     best_of: StrictInt | None = Field(None, ge=1, le=1)
 
@@ -114,8 +132,8 @@ class CompletionRequest(_Sampling):
 
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    type: StrictStr
-    text: StrictStr = ""
+    type: Text = Field(max_length=64)
+    text: Text = ""
 
     @field_validator("type")
     @classmethod
@@ -128,8 +146,8 @@ class TextPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -51,7 +51,7 @@ def build(cfg: ServeConfig):
     check_method(cfg.model, cfg.method, store=cfg.use_store)
     check_address(cfg.host, cfg.port)
     store = WriteBehindStore.open(store_cfg, int(cfg.memory_global_gb * 2**30)) if cfg.use_store else None
-    model, tok = load(cfg.model)
+    model, tok = load(cfg.model, cfg.dtype)
     sessions = Sessions(model, cfg.method, store, store_cfg.block_size, cfg.replay_tokens)
     text = model.config.get_text_config()
     prompts = Prompts(tok, text.max_position_embeddings, text.vocab_size)
@@ -65,6 +65,8 @@ def build(cfg: ServeConfig):
         if store is None
         else (f"Redis {store.global_tier.where}" if store_cfg.redis_url else f"disk {store_cfg.root}")
     )  # never a password
+    if store is not None and store.read_only:
+        where += f" (read-only: {store.read_only}; hits served, writes refused)"
     return create_app(rt), f"store {where}; block {store_cfg.block_size} tokens"
 
 

@@ -1,6 +1,8 @@
-"""A fleet sharing one store, against real redis-servers: a machine with another secret can neither
-use nor erase the fleet's KV, secrets rotate without losing it, and a Redis that starts evicting
-under a running store is noticed and stops global writes."""
+"""A fleet sharing one store, against real redis-servers (and one disk root): a machine with another
+secret can neither use nor erase the fleet's KV -- not by its admin commands, not by writing the same
+keys --, a shared store never makes up a secret, secrets rotate without losing the KV, and a Redis
+that starts evicting under a running store is noticed (its counter reset included) and stops global
+writes."""
 
 import json
 import time
@@ -10,6 +12,8 @@ import torch
 
 from kvstrata.cli import main
 from kvstrata.place import KVStore, StoreConfig
+from kvstrata.place.disk import DiskTier
+from kvstrata.place.memory import MemoryTier
 from kvstrata.place.records import secret_id
 
 FLEET = "ab" * 32
@@ -138,3 +142,107 @@ def test_a_damaged_record_of_this_fleet_is_still_never_served(redis_server, tmp_
     assert store.get_global("b0") is None
     stats = store.global_tier.stats
     assert (stats.unverifiable, stats.corrupt) == ((1, 0) if flip == "secret id" else (0, 1))
+
+
+# --- a wrong secret never replaces the fleet's records (issue 65) ----------------------------------
+def _signer(blob: bytes) -> str:
+    return blob[8:16].hex()  # records.py: magic, version, class, 0, then the signer's id
+
+
+def _thrash(fleet: KVStore, laptop: KVStore, read_raw) -> None:
+    """The fleet writes 6 records; a member with another secret misses each and writes it back (as
+    serving does on a miss), three rounds: its writes are skipped and counted, the fleet hits throughout
+    and every record is still the fleet's."""
+    fleet_id = secret_id(bytes.fromhex(FLEET)).hex()
+    for i in range(6):
+        assert fleet.put_global(f"b{i}", BLOCK, {"i": str(i)})
+    for _ in range(3):
+        for i in range(6):
+            assert laptop.get_global(f"b{i}") is None  # unverifiable: a miss ...
+            assert laptop.put_global(f"b{i}", BLOCK, {"by": "laptop"}) is False  # ... its write skipped
+            assert fleet.get_global(f"b{i}")[1] == {"i": str(i)}  # the fleet still hits
+    assert all(_signer(read_raw(f"b{i}")) == fleet_id for i in range(6))
+    stats = laptop.global_tier.stats
+    assert stats.writes_skipped_foreign == 18 and stats.writes == 0 and stats.refused == 0
+    assert laptop.stats()["global"]["writes_skipped_foreign"] == 18
+    assert laptop.put_global("mine", BLOCK, {"by": "laptop"})  # a key the fleet has not written: written
+    assert fleet.get_global("mine") is None and laptop.get_global("mine")[1] == {"by": "laptop"}
+    assert fleet.put_global("mine", BLOCK, {}) is False  # and the fleet does not erase the laptop's either
+
+
+def test_a_wrong_secret_never_replaces_the_fleets_records_on_redis(redis_server, tmp_path, capsys):
+    fleet = open_store(config(tmp_path, redis_server.url, "fleet", secret=FLEET))
+    laptop_cfg = config(tmp_path, redis_server.url, "laptop", secret=LAPTOP)
+    laptop = open_store(laptop_cfg)
+    _thrash(fleet, laptop, lambda k: redis_server.client().get(fleet.global_tier._key(k)))
+    code, out = cli(["store", "stats", "--config", laptop_cfg], capsys)  # a new process counts its own
+    assert code == 0 and out["global"]["writes_skipped_foreign"] == 0  # the counter is in stats
+
+
+def test_a_wrong_secret_never_replaces_the_fleets_records_on_disk(tmp_path):
+    root = tmp_path / "root"
+    fleet = KVStore(DiskTier(root, 1 << 24), MemoryTier(1 << 20), secret=bytes.fromhex(FLEET))
+    laptop = KVStore(DiskTier(root, 1 << 24), MemoryTier(1 << 20), secret=bytes.fromhex(LAPTOP))
+    _thrash(fleet, laptop, lambda k: (root / f"{k}.kv").read_bytes()[24:])  # the entry header is 24 bytes
+
+
+def test_what_a_write_may_replace(redis_server, tmp_path):
+    """Rotation replaces a previous secret's record; a cut record, junk or an expired foreign record is
+    replaced; another record version is kept."""
+    store = open_store(config(tmp_path, redis_server.url, secret=LAPTOP, previous_secrets=FLEET))
+    old = open_store(config(tmp_path, redis_server.url, "old", secret=FLEET))
+    assert old.put_global("rotated", BLOCK, {}) and store.put_global("rotated", BLOCK, {"by": "new"})
+    tier, client = store.global_tier, redis_server.client()
+    client.set(tier._key("junk"), b"KVSR" + b"\0" * 10)  # too short to be a record: replaced
+    client.set(tier._key("other-version"), b"KVSR\x03\x00" + b"\0" * 200)  # kept
+    third = open_store(config(tmp_path, redis_server.url, "third", secret="ef" * 32))
+    assert third.put_global("expiring", BLOCK, {}) and client.pexpire(tier._key("expiring"), 50)
+    time.sleep(0.1)
+    assert store.put_global("junk", BLOCK, {}) and store.put_global("expiring", BLOCK, {})
+    assert store.put_global("other-version", BLOCK, {}) is False
+    assert client.get(tier._key("other-version"))[4:6] == b"\x03\x00"
+    assert tier.stats.writes_skipped_foreign == 1 and store.get_global("rotated")[1] == {"by": "new"}
+
+
+def test_a_missing_secret_file_on_a_shared_tier_refuses_to_start(redis_server, tmp_path, capsys):
+    missing = tmp_path / "secrets" / "fleet.hex"
+    path = config(tmp_path, redis_server.url, secret_file=str(missing))
+    code, err = cli(["store", "stats", "--config", path], capsys)
+    assert code == 2 and "does not exist" in err and str(missing) in err
+    assert len(err.strip().splitlines()) == 1
+    assert not missing.exists() and redis_server.client().dbsize() == 0  # no secret made up, nothing written
+
+
+def test_evictions_after_a_counter_reset_are_still_reported(start_redis, tmp_path):
+    """A server that evicted before the store connected, then `CONFIG RESETSTAT`: the counter goes below
+    the store's baseline; the check says losses are unknown, counts again from there, and reports the
+    next evictions."""
+    server = start_redis("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    filler = server.client()
+    for i in range(400):
+        filler.set(f"before:{i}", b"x" * 20_000)
+    assert int(filler.info("stats")["evicted_keys"]) > 100
+    filler.config_set("maxmemory-policy", "noeviction")
+    store = open_store(config(tmp_path, server.url, secret=FLEET, redis_check_seconds=3600))
+    assert store.problems(force=True) == []
+    filler.config_resetstat()
+    assert any("went down" in p for p in store.problems(force=True))  # said once ...
+    assert store.problems(force=True) == []  # ... then counted again from zero
+    filler.config_set("maxmemory-policy", "allkeys-lru")
+    for i in range(30):
+        filler.set(f"after:{i}", b"x" * 20_000)
+    evicted = int(filler.info("stats")["evicted_keys"])
+    filler.config_set("maxmemory-policy", "noeviction")  # fixed before the next check
+    assert 0 < evicted < 100
+    assert any(f"evicted {evicted} keys" in p for p in store.problems(force=True))
+    assert store.global_tier.stats.evicted == evicted
+
+
+def test_kvstore_stats_forces_the_live_check(start_redis, tmp_path):
+    server = start_redis()
+    store = open_store(config(tmp_path, server.url, secret=FLEET, redis_check_seconds=3600))
+    assert store.stats()["global"]["retention_guaranteed"] is True
+    server.client().config_set("maxmemory-policy", "allkeys-lru")
+    stats = store.stats()["global"]
+    assert stats["retention_guaranteed"] is False and "allkeys-lru" in stats["problems"][0]
+    assert store.put_global("b0", BLOCK, {}) is False  # and writes stop at once, not a check interval later

@@ -152,3 +152,35 @@ def test_a_full_disk_under_the_server_answers_right_and_logs_once(model_dirs, tm
     finally:
         server.stop()
         subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_a_read_only_store_serves_hits_refuses_writes_and_says_so(model_dirs, tmp_path, reference):
+    """One server fills a disk store; a second one on the same root with `read_only = true` serves its
+    blocks, answers new prompts without writing them (counted), and says it is read-only in /health and
+    /metrics -- not a file of the root changes."""
+    root = tmp_path / "root"
+    env = {"KVSTRATA_STORE_ROOT": str(root)}
+    x, y = text_of(70, seed=25), text_of(50, seed=26)
+    writer = start_server(model_dirs["gemma"], tmp_path / "writer", env=env)
+    try:
+        assert ask(client(writer), x).kvstrata["kind"] == "miss"
+        writer.wait_written()
+    finally:
+        writer.stop()
+    before = {p.name: p.stat().st_mtime_ns for p in root.iterdir()}
+    reader = start_server(model_dirs["gemma"], tmp_path / "reader",
+                          env={**env, "KVSTRATA_STORE_READ_ONLY": "1"})
+    try:
+        oa = client(reader)
+        got = ask(oa, x)  # the global KV from the writer's records (the SWA pool died with the writer)
+        assert got.kvstrata["reused_tokens"] == 64 and got.choices[0].text == reference(x)
+        assert ask(oa, y).choices[0].text == reference(y)
+        reader.wait_written()
+        health = reader.health()
+        assert health["status"] == "ok" and health["store_read_only"] == "read_only = true"
+        assert reader.metric("kvstrata_store_read_only") == 1
+        assert reader.metric("kvstrata_store_refused_read_only_total", tier="global") >= 3  # y's blocks
+        assert "Traceback" not in reader.log_tail(20000)
+    finally:
+        reader.stop()
+    assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == before
