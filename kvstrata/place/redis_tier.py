@@ -160,7 +160,9 @@ class RedisTier(TierBase):
         """SET, or with a guard the `GUARDED_SET` script (1: set, 0: kept), on a client or a pipeline."""
         if guard is None:
             return target.set(key, value, px=px)
-        return target.eval(GUARDED_SET, 1, key, value, "" if px is None else px, *_guard_args(guard))
+        # EVAL by name: a Cluster pipeline has no `eval`, and routes the command by its key
+        return target.execute_command("EVAL", GUARDED_SET, 1, key, value, "" if px is None else px,
+                                      *_guard_args(guard))
 
     def put(self, key: str, value: bytes, ttl_s: float | None = None, guard: WriteGuard | None = None,
             group: str = "") -> bool:

@@ -16,6 +16,7 @@ from kvstrata.hf.held import Held
 from kvstrata.hf.segments import decode_segment, encode_segment
 from kvstrata.methods import MethodSpec, StoreRecipe, check_store, parse_method, render
 from kvstrata.place.block_format import pack, unpack
+from kvstrata.place.records import decode_record, encode_record
 
 #: the dtype chunks are encoded from (an exact widening of the engine's bf16 / fp16), as our own
 #: cache encodes float32 K/V: transform state and record dtypes are the same whatever the engine
@@ -76,6 +77,16 @@ class ChunkCodec:
         held = unpack(recipes, tensors, meta, kv_heads=self.kv_heads, head_dim=self.head_dim,
                       dtype=AT_REST, start=start, tokens=tokens)
         return {i: _dense(self.recipes[i], h, self.dtype) for i, h in held.items()}
+
+    def warm(self, layers: tuple[int, ...], tokens: int, secret: bytes) -> None:
+        """One chunk of random K/V of `layers` through the whole load path -- encode, sign, verify, parse,
+        decode -- so a process's first hit pays none of its one-time costs (nothing is kept)."""
+        if not layers:
+            return
+        kv = torch.randn(self.kv_heads, tokens, self.head_dim, generator=torch.Generator().manual_seed(0))
+        tensors, meta = self.encode({i: (kv.to(self.dtype), kv.to(self.dtype)) for i in layers}, 0)
+        blob = encode_record(tensors, meta, key="warm", secret=secret)
+        self.decode(*decode_record(blob, key="warm", secret=secret), start=0, tokens=tokens, layers=layers)
 
 
 def _held(recipe: StoreRecipe, k: torch.Tensor, v: torch.Tensor, start: int) -> Held:

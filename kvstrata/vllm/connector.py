@@ -19,17 +19,21 @@ go into a global-class record (the persistent tier, days) and sliding-window gro
 SWA-class record in the store's pool (minutes), saved as each chunk completes -- while the window
 still holds it. A hit needs both (`plan`). With the allocator off (`--disable-hybrid-kv-cache-manager`)
 every layer is full length and goes into the global record.
+
+Lifecycle: at start each side logs (through vLLM's logger) the store, the method and the secret id it
+signs with; the worker runs its load path once on one chunk of random K/V before the first request
+(so the first hit pays no one-time cost); loads decode, and writes encode, each on a thread of one
+OpenMP thread (`threads`: not on vLLM's pinned team); at shutdown each side logs its counters. A store
+with another fleet's secret misses on that fleet's records and its writes of them are skipped, counted
+(`writes_skipped_foreign`); a read-only store (`read_only`, or a root found not writable) serves hits
+and the worker does not encode chunks it could not write (`writes_refused_read_only`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -41,16 +45,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.logger import init_logger
 
 from kvstrata.names import TierClass
-from kvstrata.place.records import RecordError
+from kvstrata.place.records import RecordError, secret_id
+from kvstrata.place.tier import StoreUnavailable
 from kvstrata.vllm.chunks import ChunkCodec
+from kvstrata.vllm.groups import engine_groups, layer_index
 from kvstrata.vllm.pages import LayoutError, PageMap
-from kvstrata.vllm.plan import NULL_BLOCK, Chunks, Groups, Planner, StepPlan
+from kvstrata.vllm.plan import NULL_BLOCK, Chunks, Planner, StepPlan
 from kvstrata.vllm.settings import ConfigError, Settings, records_namespace, shared_store
+from kvstrata.vllm.threads import one_openmp_thread
 
-log = logging.getLogger("kvstrata.vllm")
+log = init_logger("vllm.kvstrata.connector")  # vLLM's handlers, format and VLLM_LOGGING_LEVEL
 MAX_PENDING_CHUNKS = 64  # chunks copied out and waiting to be encoded and written (back-pressure beyond)
 
 
@@ -77,44 +84,6 @@ class KvstrataStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-def _one_openmp_thread() -> None:
-    """Encode on the writer thread with one OpenMP thread. A new thread starts with OpenMP's default
-    (a team as wide as the machine) whose spinning workers share the cores vLLM's forward is bound
-    to: measured, a 6-turn conversation took 7.8 s instead of 4.5. OpenMP's thread count is per
-    thread, so this leaves the forward's alone (vLLM replaces `torch.set_num_threads`, which would also
-    set MKL's process-wide count). Without torch's bundled libgomp, nothing is changed."""
-    lib = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
-    if lib.exists():
-        ctypes.CDLL(str(lib)).omp_set_num_threads(1)
-    else:
-        log.info("kvstrata: no libgomp beside torch (%s): the writer thread keeps OpenMP's default", lib)
-
-
-def _layer_index(name: str) -> int:
-    found = re.findall(r"\.(\d+)\.", name)
-    if not found:
-        raise ConfigError(f"kvstrata connector: cannot tell the layer index of attention layer {name!r}")
-    return int(found[-1])
-
-
-def _groups(kv_cache_config, n_layers: int) -> Groups:
-    """The engine's KV-cache groups by model layer index; full-attention and sliding-window groups only."""
-    if kv_cache_config is None:
-        return Groups.single(n_layers)
-    layers, windows = [], []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            windows.append(spec.sliding_window)
-        elif isinstance(spec, FullAttentionSpec):
-            windows.append(None)
-        else:
-            raise ConfigError(f"kvstrata connector: KV-cache group of {type(spec).__name__} layers "
-                              f"({group.layer_names[:2]}...): only full and sliding-window attention")
-        layers.append(tuple(_layer_index(name) for name in group.layer_names))
-    return Groups(layers=tuple(layers), windows=tuple(windows))
-
-
 class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -137,7 +106,7 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
                                           self.head_dim, self.dtype)
         except ValueError as exc:
             raise ConfigError(f"kvstrata connector: method {self.settings.method!r}: {exc}") from None
-        self.groups = _groups(self._kv_cache_config, n_layers)
+        self.groups = engine_groups(self._kv_cache_config, n_layers)
         windows = [w for w in self.groups.windows if w is not None]
         if windows and self.settings.chunk_tokens > min(windows):
             raise ConfigError(f"kvstrata connector: chunk_tokens {self.settings.chunk_tokens} exceeds the "
@@ -145,7 +114,10 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
                               "before it completes")
         self.group_of = {i: g for g, layers in enumerate(self.groups.layers) for i in layers}
         # one store per process: the scheduler's lookups see the SWA pool the worker writes
-        self.store = shared_store(self.settings.store)
+        try:
+            self.store = shared_store(self.settings.store)
+        except (ValueError, OSError, StoreUnavailable) as exc:  # a missing secret file, a bad root, no Redis
+            raise ConfigError(f"kvstrata connector: store: {exc}") from None
         self.ns = records_namespace(model.model, self.codec.text, str(self.dtype).removeprefix("torch."),
                                     self.settings.chunk_tokens, self.groups.pooled)
         if role == KVConnectorRole.SCHEDULER:
@@ -159,17 +131,24 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
             self.failed: set[str] = set()  # ... of them, those whose load failed: vLLM recomputes them
             self.totals = dict.fromkeys(("loaded_chunks", "loaded_tokens", "load_errors", "saved_chunks",
                                          "write_failures", "bytes_written", "pool_chunks", "pool_bytes",
-                                         "pool_loaded"), 0)
+                                         "pool_loaded", "writes_skipped_foreign", "writes_refused_read_only",
+                                         ), 0)
             self._reported = dict(self.totals)
             self._count_lock = threading.Lock()
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstrata-vllm-writer",
-                                            initializer=_one_openmp_thread)
+            self._pool = one_openmp_thread("kvstrata-vllm-writer")
+            self._loader = one_openmp_thread("kvstrata-vllm-loader")  # the forward waits for its loads
             self._room = threading.BoundedSemaphore(MAX_PENDING_CHUNKS)
             self._pending = 0  # chunks handed to the writer and not yet written (or failed)
-        log.info("kvstrata connector (%s): method %s, %d tokens per record, store %s, layers %s persistent, "
-                 "%s in the SWA pool", role.name, self.codec.text, self.settings.chunk_tokens,
-                 self.settings.store.redis_url or self.settings.store.root, list(self.groups.persistent),
+        log.info("kvstrata connector (%s): store %s, method %s, %d tokens per record, secret id %s, "
+                 "layers %s persistent, %s in the SWA pool", role.name, self._store_text(), self.codec.text,
+                 self.settings.chunk_tokens, secret_id(self.store.secret).hex(), list(self.groups.persistent),
                  list(self.groups.pooled))
+
+    def _store_text(self) -> str:
+        """The store as the log shows it (never a password)."""
+        tier = self.store.global_tier
+        where = f"Redis {tier.where}" if self.settings.store.redis_url else f"disk {tier.root}"
+        return where + (f" (read-only: {self.store.read_only})" if self.store.read_only else "")
 
     # --- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -202,7 +181,7 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
     # --- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = self._vllm_config.compilation_config.static_forward_context
-        self.caches = {_layer_index(name): t for name, t in kv_caches.items()}
+        self.caches = {layer_index(name): t for name, t in kv_caches.items()}
         if sorted(self.caches) != list(range(len(self.layer_classes))):
             raise ConfigError(f"kvstrata connector: attention layers {sorted(self.caches)} do not match the "
                               f"model's {len(self.layer_classes)} layers")
@@ -219,11 +198,23 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         shapes = {tuple(t.shape) for t in kv_caches.values()}
         if len(shapes) != 1:
             raise ConfigError(f"kvstrata connector: attention layers hold pages of different shapes {shapes}")
+        self._loader.submit(self._warm).result()
+
+    def _warm(self) -> None:
+        """The load path run once before the first request (`ChunkCodec.warm`, and page offsets), so the
+        first hit after a start pays no one-time cost; nothing stored, nothing written into the pages."""
+        t0, size = time.perf_counter(), self.settings.chunk_tokens
+        for layers in (self.groups.persistent, self.groups.pooled):
+            self.codec.warm(layers, size, self.store.secret)
+        self.pages.where([0] * -(-size // self.block_size), 0, size)
+        log.info("kvstrata connector (WORKER): load path warmed in %.2f s", time.perf_counter() - t0)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         plan = self._plan()
-        if plan is None:
-            return
+        if plan is not None and plan.loads:
+            self._loader.submit(self._load_all, plan).result()
+
+    def _load_all(self, plan: StepPlan) -> None:
         for item in plan.loads:
             try:
                 self._load(item, plan.chunk_tokens)
@@ -291,12 +282,17 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         if plan is None:
             return
         size = plan.chunk_tokens
+        kinds = [(TierClass.GLOBAL, self.groups.persistent), (TierClass.SWA, self.groups.pooled)]
+        if self.store.read_only and self.groups.persistent:  # copy and encode nothing it cannot write
+            kinds = kinds[1:]
+            self._count(writes_refused_read_only=sum(len(item.keys) for item in plan.saves))
         for item in plan.saves:
             for j, key in enumerate(item.keys):
                 start = (item.first + j) * size
                 parts = {klass: self._gather(item.blocks, layers, start, start + size)
-                         for klass, layers in ((TierClass.GLOBAL, self.groups.persistent),
-                                               (TierClass.SWA, self.groups.pooled)) if layers}
+                         for klass, layers in kinds if layers}
+                if not parts:
+                    continue
                 self._room.acquire()
                 with self._count_lock:
                     self._pending += 1
@@ -325,12 +321,20 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
             if layers is None:
                 raise RecordError("the window no longer holds the chunk")
             tensors, meta = self.codec.encode(layers, start)
-            put = self.store.put_swa if pooled else self.store.put_global
+            put, tier = ((self.store.put_swa, self.store.swa_tier) if pooled else
+                         (self.store.put_global, self.store.global_tier))
+            skipped = tier.stats.writes_skipped_foreign  # this thread is the process's only writer
             if not put(key, tensors, meta, self.ns):
-                raise RecordError("the tier refused it (full)")
+                if tier.stats.writes_skipped_foreign > skipped:  # another secret's record: left alone
+                    self._count(writes_skipped_foreign=1)
+                    return
+                raise RecordError("the tier refused it (full, read-only or unreachable)")
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             self._count(**({"pool_chunks": 1, "pool_bytes": nbytes} if pooled else
                            {"saved_chunks": 1, "bytes_written": nbytes}))
+        except RecordError as exc:  # refused: counted, one line (never a traceback per chunk)
+            self._count(write_failures=1)
+            log.warning("kvstrata: chunk %s (%s) not written: %s", key[:12], klass.value, exc)
         except Exception:  # a failed write is a later miss, never a failed request
             self._count(write_failures=1)
             log.exception("kvstrata: writing chunk %s (%s) failed", key[:12], klass.value)
@@ -372,4 +376,13 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
             self._pool.shutdown(wait=True)
-            log.info("kvstrata connector: %s", self.totals)
+            self._loader.shutdown(wait=True)
+            log.info("kvstrata connector (WORKER) shutting down: %s; store %s", self.totals,
+                     self._store_counts())
+        else:
+            log.info("kvstrata connector (SCHEDULER) shutting down: %s; store %s", self.planner.stats,
+                     self._store_counts())
+
+    def _store_counts(self) -> dict:
+        """The persistent tier's counters (hits, misses, unverifiable, skipped, ...), those not zero."""
+        return {k: v for k, v in asdict(self.store.global_tier.stats).items() if v and k != "extra"}

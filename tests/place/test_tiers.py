@@ -11,7 +11,7 @@ import torch
 from kvstrata.place import tier
 from kvstrata.place.disk import DiskTier
 from kvstrata.place.memory import MemoryTier
-from kvstrata.place.records import decode_record, encode_record
+from kvstrata.place.records import decode_record, encode_record, seal, write_guard
 from kvstrata.place.redis_tier import RedisTier
 
 SECRET = b"k" * 32
@@ -169,3 +169,11 @@ def test_redis_cluster_with_hash_tags(redis_cluster):
     slots = {r.client.keyslot(r._key(k, "prefix-1")) for k, _ in chain}
     assert len(slots) == 1
     assert r.put("solo", b"x", ttl_s=60) and r.get("solo") == b"x"
+    # a guarded write (one Lua script, one slot) keeps another secret's record, alone or pipelined
+    foreign, guard = seal(b"theirs", key="held", secret=b"t" * 32), write_guard([b"s" * 32])
+    assert r.put("held", foreign) and r.put("held", b"mine", guard=guard) is False
+    assert r.get("held") == foreign
+    assert r.put("held", foreign, group="prefix-1")
+    assert r.put_many([("free", b"mine"), ("held", b"mine")], group="prefix-1", guard=guard) is False
+    assert r.get_many(["free", "held"], group="prefix-1") == [b"mine", foreign]
+    assert r.stats.writes_skipped_foreign == 2

@@ -24,7 +24,6 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "lab" / "kvstrata_lab" / "serve_bench" / "vllm_driver.py"
 CHUNK = 64
-TEXT = (ROOT / "docs" / "architecture.md").read_text()[:1400]
 
 
 def vllm_python() -> Path:
@@ -43,14 +42,6 @@ def drive(tmp: Path, name: str, request: dict) -> list[dict]:
         sys.stderr.write(proc.stderr[-6000:])
         pytest.fail(f"the vLLM engine driver exited with {proc.returncode}")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-
-
-@pytest.fixture(scope="module")
-def model_and_prompt():
-    model = resolve("smollm2-135m")
-    ids = load_tokenizer(model)(TEXT)["input_ids"][:300]
-    assert len(ids) == 300
-    return str(model), ids
 
 
 def request(model: str, store: Path, steps: list[dict], method: str = "lossless") -> dict:

@@ -7,7 +7,8 @@ Request: {"model": dir, "engine": {...LLM keyword overrides}, "connector": null 
 "KvstrataConnector" | "ExampleConnector", "extra": {...}}, "chunk_tokens", "steps": [...]}. Steps:
 - {"op": "generate", "prompt": [ids], "salt": str | null, "max_tokens": n} -> tokens, text, logprobs of
   each chosen token, cached (vLLM's num_cached_tokens: its own prefix cache plus a connector's hits),
-  seconds (the whole call; with max_tokens 1 that is the time to the first token)
+  seconds (the whole call; with max_tokens 1 that is the time to the first token), cpu_s (the process's
+  CPU seconds in it, every thread)
 - {"op": "conversation", "system": text, "turns": [text], "answer_tokens": n}: each turn's transcript
   (system, then "User: ... / Assistant:" with the earlier answers) timed to its first token, then
   answered -> per turn: ttft, cached, prompt tokens, answer
@@ -86,11 +87,12 @@ def record_path(req: dict, step: dict, chunk: int) -> Path:
 def generate(llm: LLM, ids: list[int], max_tokens: int, salt: str | None = None) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0)
     prompt = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     res = llm.generate(prompt, params, use_tqdm=False)[0]
     gen = res.outputs[0]
     return {"tokens": list(gen.token_ids), "text": gen.text, "cached": res.num_cached_tokens,
-            "seconds": time.perf_counter() - t0, "prompt_tokens": len(ids),
+            "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0,
+            "prompt_tokens": len(ids),
             "logprobs": [lp[t].logprob for t, lp in zip(gen.token_ids, gen.logprobs)]}
 
 

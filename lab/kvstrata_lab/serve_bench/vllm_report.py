@@ -29,7 +29,9 @@ def markdown(result: dict) -> str:
         f"two engine lifetimes over one store. Later turns: turns 2..{cfg['turns']} of {cfg['clients']} "
         f"agent conversations ({cfg['context']}-token documents, {cfg['tool_tokens']}-token tool results). "
         f"Restart: a {cfg['probe_tokens']}-token prompt stored by the first lifetime, timed to its first "
-        f"token by the second. Retrieval: {cfg['n']} instances each of {', '.join(cfg['tasks'])} at "
+        f"token by the second (its first request after the warm-up; later: the same prompt again, "
+        f"vLLM's own prefix cache dropped first). "
+        f"Retrieval: {cfg['n']} instances each of {', '.join(cfg['tasks'])} at "
         f"{cfg['length']} tokens, stored by the first lifetime and answered by the second. "
         + _allocator(cfg, rows, names),
         "",
@@ -42,7 +44,8 @@ def markdown(result: dict) -> str:
         delta = r.get("retrieval_delta_vs_lossless") or r.get("retrieval_delta_vs_vllm")
         lines.append(
             f"| {names.get(name, name)} | {_f(t['p50'], '.3f', ' s')} / {_f(t['p99'], '.3f', ' s')} | "
-            f"{_f(r['restart_ttft_s'], '.2f', ' s')} ({_f(r.get('restart_vs_cold'), '.2f', '×')}) | "
+            f"{_f(r['restart_ttft_s'], '.2f', ' s')} ({_f(r.get('restart_vs_cold'), '.2f', '×')})"
+            f"{_later(r)} | "
             f"{r['restart_cached']} of {r['probe_tokens']} | {_f(r['bytes_per_token'], ',.0f')} "
             f"({_f(r.get('bytes_vs_example'), '.0%')}) | {r['retrieval']:.2f} | "
             f"{delta['text'] if delta else '–'} | {r.get('answers_equal_cold', '–')} of {len(r['answers'])}, "
@@ -67,6 +70,12 @@ def markdown(result: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _later(r: dict) -> str:
+    """The same prompt's later hits in the restarted engine (its own prefix cache dropped before each)."""
+    later = r.get("restart_later_ttft_s") or []
+    return f"; later {', '.join(f'{x:.2f}' for x in later)} s" if later else ""
 
 
 def _allocator(cfg: dict, rows: dict, names: dict) -> str:
