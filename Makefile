@@ -65,7 +65,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvstrata lab tests
 
-test: lint $(VLLM_STAMP)
+test: lint $(VLLM_STAMP) $(call QWEN_STAMP,qwen-0.5b) $(call QWEN_STAMP,qwen-1.5b)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
