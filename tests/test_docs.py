@@ -21,20 +21,34 @@ def python_blocks(page: Path) -> list[str]:
     return BLOCK.findall(page.read_text())
 
 
+AFTER_FIRST = "after the first block"  # README: a block whose first line says so uses block 1's names
+
+
+def readme_runs(blocks: list[str]) -> list[tuple[int, bool]]:
+    """How the README says its blocks run: (index, continues the first block's namespace)."""
+    return [(i, AFTER_FIRST in code.split("\n", 1)[0]) for i, code in enumerate(blocks)]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)], ids=lambda p: p.name)
 def test_python_blocks_run(page, tmp_path, monkeypatch, capsys):
-    """Blocks of one page run in order in one namespace (later blocks use earlier names). The
-    serving page's client talks to a real SmolLM2 server started here (its URL in KVSTRATA_URL)."""
+    """Blocks of a docs page run in order in one namespace (later blocks use earlier names); the
+    README's run as it says: each alone, but those marked `after the first block` in a copy of the first
+    block's namespace. The serving page's and README's client talks to a real SmolLM2 server started
+    here (its URL in KVSTRATA_URL)."""
     monkeypatch.chdir(tmp_path)
     server = None
     if page.name in ("serving.md", "README.md"):
         server = ServerProcess("smollm2-135m", "--method", "nvfp4", name="smollm2-135m",
                                env={"KVSTRATA_STORE_ROOT": str(tmp_path / "store")}).start()
         monkeypatch.setenv("KVSTRATA_URL", server.base_url)
-    namespace: dict = {"__name__": "__docs__"}
+    blocks = python_blocks(page)
+    first: dict = {"__name__": "__docs__"}
+    namespace = first
     try:
-        for i, code in enumerate(python_blocks(page)):
+        for i, code in enumerate(blocks):
+            if page.name == "README.md" and i:
+                namespace = dict(first) if readme_runs(blocks)[i][1] else {"__name__": "__docs__"}
             exec(compile(code, f"{page.name}[python block {i + 1}]", "exec"), namespace)  # noqa: S102 - our docs
     finally:
         if server is not None:
@@ -42,13 +56,54 @@ def test_python_blocks_run(page, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out.strip(), f"{page.name}: the blocks printed nothing"
 
 
-def test_the_own_model_block_runs_on_its_own(tmp_path, monkeypatch, capsys):
-    """A newcomer copies one block: the README's own-model block needs nothing from the others."""
-    monkeypatch.chdir(tmp_path)
-    [code] = [b for b in python_blocks(ROOT / "README.md") if "save_tiny(" in b]
-    code = code.replace("/tmp/kvstrata-my-model", str(tmp_path / "my-model"))
-    exec(compile(code, "README.md[own model]", "exec"), {"__name__": "__docs__"})  # noqa: S102 - our docs
-    assert capsys.readouterr().out.strip()
+def names(code: str) -> tuple[set[str], set[str]]:
+    """(names a block binds, by assignment or import; names it reads)."""
+    import ast
+
+    tree = ast.parse(code)
+    bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound |= {a.asname or a.name.split(".")[0] for n in ast.walk(tree)
+              if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    return bound, {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def test_the_readme_says_which_blocks_continue_the_first():
+    """Every README block but the first either runs alone or says it continues the first; a standalone
+    one reads nothing only the first block binds (checked without running them: they load models)."""
+    blocks = python_blocks(ROOT / "README.md")
+    first = names(blocks[0])[0]
+    runs = readme_runs(blocks)
+    assert any(after for _, after in runs) and not runs[0][1]
+    for i, after in runs[1:]:
+        bound, read = names(blocks[i])
+        borrowed = (read - bound) & first
+        assert after or not borrowed, f"README block {i + 1} uses {sorted(borrowed)} from the first block"
+        assert not after or borrowed, f"README block {i + 1} says it continues the first but needs nothing"
+
+
+def test_a_standalone_readme_block_runs_alone(capsys):
+    """One of them, run for real in a fresh namespace: the tensor block (no model)."""
+    [code] = [b for b in python_blocks(ROOT / "README.md") if "kvstrata.quantize(" in b]
+    exec(compile(code, "README.md[one tensor]", "exec"), {"__name__": "__docs__"})  # noqa: S102 - our docs
+    assert "bytes instead of" in capsys.readouterr().out
+
+
+def test_the_openai_example_prints_a_miss_then_a_hit(tmp_path, monkeypatch, capsys):
+    """The README's OpenAI block, alone, against a real server (a tiny Llama with a chat template served
+    under the block's model name, one token per byte): its shared system prompt is longer than a store
+    block, so the first question is a miss and the second a hit with whole blocks cached."""
+    from kvstrata.models.tiny import save_tiny
+
+    [code] = [b for b in python_blocks(ROOT / "README.md") if "OpenAI(" in b]
+    model = save_tiny(tmp_path / "tiny-chat", "llama", chat_template=True)
+    with ServerProcess(str(model), name="smollm2-135m", log_path=tmp_path / "serve.log",
+                       env={"KVSTRATA_STORE_ROOT": str(tmp_path / "store")}) as server:
+        monkeypatch.setenv("KVSTRATA_URL", server.base_url)
+        exec(compile(code, "README.md[openai]", "exec"), {"__name__": "__docs__"})  # noqa: S102 - our docs
+    printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [kind for _, kind in printed] == ["miss", "hit"]
+    assert int(printed[0][0]) == 0 and int(printed[1][0]) >= 256 and int(printed[1][0]) % 256 == 0
+    assert "# 0 miss, then 256 hit" in code  # what the block says it prints (on SmolLM2)
 
 
 def test_every_subcommand_is_documented():

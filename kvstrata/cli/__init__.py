@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, MemoryError) as e:
         print(f"kvstrata: error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (a command that keeps work says what)
+        print(f"\nkvstrata {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

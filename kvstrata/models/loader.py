@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvstrata.hf.cache import check_fits_model
-from kvstrata.methods import MethodSpec, check_store, parse_method
+from kvstrata.methods import MethodSpec, check_store, parse_method, render_recipe
 from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
 from kvstrata.models.tiny import save_tiny, tiny_config
 from kvstrata.settings import DTYPES
@@ -192,7 +193,10 @@ def check_method(name_or_path: str, text: str, store: bool = False) -> MethodSpe
     spec = parse_method(text)
     if store:
         check_store(spec)
-    check_fits_model(spec, load_config(name_or_path))
+    classes = check_fits_model(spec, load_config(name_or_path))
+    if spec.sliding != spec.full and not any(c == "sliding" for c, _ in classes):
+        print(f"kvstrata: warning: {text!r} gives sliding-window layers a recipe of their own, but "
+              f"{name_or_path} has none: every layer runs {render_recipe(spec.full)!r}", file=sys.stderr)
     return spec
 
 

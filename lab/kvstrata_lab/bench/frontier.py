@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvstrata_lab.bench.labels import place_labels
 from kvstrata_lab.bench.paired import Delta, paired_delta, scores_by_instance
 from kvstrata_lab.bench.results import FAMILY_COLOURS, RANKED_TASKS, ReportInput, fmt, mark_frontier
 
@@ -107,9 +108,9 @@ def plot(key: tuple[str, int], pts: list[dict], out: Path) -> Path:
         ax.scatter(p["bytes"], p["retrieval"], marker="*" if p["frontier"] else "o",
                    s=90 if p["frontier"] else 30, zorder=3, edgecolors=colour,
                    facecolors=colour if p["ranked"] else "none")
-        if p["frontier"] or p["method"] == REFERENCE:  # the rest are named in the table beside the plot
-            ax.annotate(p["method"], (p["bytes"], p["retrieval"]), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")
+    # the frontier and the reference are named (the rest in the table beside the plot), after the layout
+    named = [(p["bytes"], p["retrieval"], p["method"]) for p in scored
+             if p["frontier"] or p["method"] == REFERENCE]
     front = sorted((p for p in scored if p["frontier"]), key=lambda p: p["bytes"])
     ax.step([p["bytes"] for p in front], [p["retrieval"] for p in front], where="post", color="black", lw=0.8)
     ref = next(p for p in pts if p["method"] == REFERENCE)
@@ -124,6 +125,7 @@ def plot(key: tuple[str, int], pts: list[dict], out: Path) -> Path:
     ax.set_title(f"{key[0]} @ {key[1]}: quality per byte (★ frontier; hollow: other instances, "
                  "not ranked; red: targets)", fontsize=9)
     fig.tight_layout()
+    place_labels(ax, named, fontsize=6)
     path = out / f"frontier_{key[0]}_{key[1]}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -20,6 +20,7 @@ from kvstrata_lab.bench import (
     transfer,
     v41_prefill,
 )
+from kvstrata_lab.bench.labels import place_labels
 from kvstrata_lab.bench.peers import compare
 from kvstrata_lab.bench.results import (
     FAMILY_COLOURS,
@@ -27,6 +28,7 @@ from kvstrata_lab.bench.results import (
     ReportInput,
     fmt,
     load_meta,
+    load_note,
     load_results,
     save_meta,
     summarise,
@@ -91,7 +93,8 @@ def markdown(summary: dict) -> str:
             cells += [
                 f"{r['fail_retrieval']} / {r['fail_reasoning']}", fmt(r["kl"], "{:.4f}"), fmt(r["top1"]),
                 fmt(r["ppl_change"], "{:+.2%}"), fmt(r["bytes_read_per_step"], "{:,.0f}"),
-                fmt(r["prefill_s"]), fmt(r["decode_s_per_token"], "{:.3f}"),
+                fmt(r["prefill_s"]) + "†" * bool(r.get("busy")),
+                fmt(r["decode_s_per_token"], "{:.3f}") + "†" * bool(r.get("busy")),
                 fmt(r["peak_rss_mb"], "{:,.0f}"),
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -135,14 +138,13 @@ def plots(summary: dict, out: Path) -> list[Path]:
     paths = []
     for (model, length), s in summary.items():
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+        labels = []
         for m, r in s["methods"].items():
             y = r["retrieval"] if r["retrieval"] is not None else r["top1"]
             if y is None:
                 continue
             ax.scatter(r["kv_bytes_per_token"], y, color=FAMILY_COLOURS.get(r["family"], "tab:gray"), s=40)
-            ax.annotate(
-                m, (r["kv_bytes_per_token"], y), fontsize=7, xytext=(3, 3), textcoords="offset points"
-            )
+            labels.append((r["kv_bytes_per_token"], y, m))
         ax.set_xscale("log")
         ax.set_xlabel("stored KV bytes per token (log)")
         ax.set_ylabel("retrieval score (usable tasks)")
@@ -161,6 +163,7 @@ def plots(summary: dict, out: Path) -> list[Path]:
         bx.tick_params(axis="x", rotation=60, labelsize=7)
         bx.legend(fontsize=8)
         fig.tight_layout()
+        place_labels(ax, labels)  # after the layout: no two labels overlap
         p = out / f"plot_{model}_{length}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
@@ -183,7 +186,7 @@ def write_report(out: Path, skip_bad: bool = False, decode_from: Path | None = N
     meta = stored.get("runs", [{}])[-1]
     timed = out / stored["decode_from"] if stored.get("decode_from") else None
     decode_rows = load_results(timed, skip_bad)[0] if timed else None  # before anything is written
-    note = _protocol_note(meta) + (
+    note = _protocol_note(meta) + load_note(rows) + (
         f"\n**{skipped} malformed row(s) of results.jsonl were skipped** (`--skip-bad`).\n" if skipped else ""
     ) + (
         f"\nThe headline's decode column is timed by the rows of `{stored['decode_from']}` (a speed run on "
@@ -199,9 +202,18 @@ def write_report(out: Path, skip_bad: bool = False, decode_from: Path | None = N
     headline_keys = sorted(k for k, v in summary.items() if "dynamic" in v["methods"] and k[1] >= 4096)
     pts = frontier.points(given)
     best = tuple(p["method"] for k in headline_keys for p in pts.get(k, []) if p["frontier"])
-    (out / "headline.md").write_text(speed.headline(summary, rows, headline_keys, best, decode_rows))
+    headline = speed.headline(summary, rows, headline_keys, best, decode_rows) if headline_keys else None
+    (out / "headline.md").write_text(headline or no_headline(summary))
     (out / "report.html").write_text(_html("\n".join(md[:2]), sections, pngs, out))
     return out / "report.md"
+
+
+def no_headline(summary: dict) -> str:
+    """headline.md's one line when no cell qualifies (a quick or partial run), instead of an empty table."""
+    cells = ", ".join(f"{m} {L:,} ({'with' if 'dynamic' in s['methods'] else 'without'} `dynamic`)"
+                      for (m, L), s in summary.items())
+    return ("No headline: it shows cells of at least 4,096 tokens whose run has `dynamic` beside the rest; "
+            f"here: {cells}. Every row is in summary.md and report.md.\n")
 
 
 def record_decode_source(out: Path, decode_from: Path) -> None:

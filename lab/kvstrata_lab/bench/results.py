@@ -101,6 +101,7 @@ def summarise(rows: list[dict]) -> dict:
                 "prefill_s": avg([r["prefill_s"] for r in mr]),
                 "compress_s": avg([r["compress_s"] for r in mr]),
                 "decode_s_per_token": avg([r["decode_s_per_token"] for r in mr]),
+                "busy": sum(busy(r) for r in mr),  # rows timed while other work loaded the machine
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in mr),
             }
         out[key] = {
@@ -108,6 +109,29 @@ def summarise(rows: list[dict]) -> dict:
             "common": sorted(common - set(FIDELITY)), "fed": fed_lengths(rs),
         }
     return out
+
+
+def busy(row: dict) -> bool:
+    """Whether a row was timed on a busy machine: its 1-minute load average above the machine's cores
+    (the bench alone keeps it at most at its threads); rows from before loads were recorded are not."""
+    load, cores = row.get("load_1m"), row.get("cores")
+    return load is not None and bool(cores) and load > cores
+
+
+def load_note(rows: list[dict]) -> str:
+    """One line on the machine's load while the rows were timed ('' when none recorded it)."""
+    loads = sorted(r["load_1m"] for r in rows if r.get("load_1m") is not None)
+    if not loads:
+        return ""
+    cores = max(r.get("cores") or 0 for r in rows)
+    n = sum(map(busy, rows))
+    median = loads[len(loads) // 2]
+    said = (f"Machine load while timing (1-minute average, {cores} cores): median {median:.1f}, "
+            f"max {loads[-1]:.1f}.")
+    if n:
+        said += (f" **{n} of {len(rows)} rows were timed on a busy machine** (load above its cores: other "
+                 "work ran beside the bench); their times are marked † -- rerun them alone before comparing.")
+    return said + "\n"
 
 
 def usable_score(score: float, task: str) -> bool:

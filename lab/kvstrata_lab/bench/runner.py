@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -66,6 +67,7 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
     if todo:  # build (or load) the decode kernel now, so its one-time build is never timed as decode
         cpu.load()
     bar = tqdm(total=len(todo), desc="bench cells", unit="cell")
+    step = tqdm(desc="this cell", unit="answer", leave=False)  # progress within a cell: one per question
     loaded: dict[str, tuple] = {}
     with path.open("a") as f:
         for model_name, length, task, index in todo:
@@ -74,10 +76,11 @@ def run(cfg: BenchConfig, load_model=None) -> Path:
             model, tok = loaded[model_name]
             bar.set_postfix_str(f"{model_name} {length} {task}#{index}")
             missing = [m for m in in_process if (model_name, length, task, index, m) not in done]
-            for row in run_cell(model, tok, model_name, length, task, index, missing, specs, cfg):
+            for row in run_cell(model, tok, model_name, length, task, index, missing, specs, cfg, step):
                 f.write(json.dumps(row) + "\n")
                 f.flush()
             bar.update(1)
+    step.close()
     bar.close()
     if workers:
         run_kvpress(cfg, cells, workers, done, path)
@@ -91,8 +94,14 @@ STOCK_ASK = {protocol.DYNAMIC: protocol.ask_dynamic, protocol.STATIC: protocol.a
 STOCK_FIDELITY = {protocol.DYNAMIC: protocol.fidelity_dynamic, protocol.STATIC: protocol.fidelity_static}
 
 
-def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -> list[dict]:
+def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg, step=None) -> list[dict]:
+    """The rows of one cell (instance `index` of `task` at `length`), one per method; `step`: a tqdm bar
+    advanced per question answered (per method on a fidelity task). Each row records the machine's
+    1-minute load average when it was timed (`load_1m`, of `cores`): the report marks busy timings."""
     inst = make_instance(task, tok, length, index, cfg.seed, cfg.haystack)
+    step = step if step is not None else tqdm(disable=True)
+    step.reset(total=len(methods) * (1 if task in FIDELITY else len(inst.questions)))
+    step.set_postfix_str(f"{task}#{index}")
     ids = tok(inst.context, return_tensors="pt").input_ids
     # refuses a context of the wrong length
     base = cell_base(model, model_name, length, inst, ids.shape[1], None)
@@ -122,15 +131,18 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
                     else protocol.fidelity(model, pre, specs[method], cont, ref)
                 )
                 row.update(res, score=res["top1"], failure=None)
+                step.update(1)
             else:
-                answers = [
-                    qcache.ask(model, tok, pre, peer, q)
-                    if peer
-                    else STOCK_ASK[method](model, tok, pre, q)
-                    if method in STOCK_ASK
-                    else protocol.ask(model, tok, pre, specs[method], q, context=inst.context)
-                    for q in inst.questions
-                ]
+                answers = []
+                for q in inst.questions:
+                    answers.append(
+                        qcache.ask(model, tok, pre, peer, q)
+                        if peer
+                        else STOCK_ASK[method](model, tok, pre, q)
+                        if method in STOCK_ASK
+                        else protocol.ask(model, tok, pre, specs[method], q, context=inst.context)
+                    )
+                    step.update(1)
                 answered(row, inst, answers)
                 if peer is None:
                     got = likelihood.method_logprobs(model, tok, pre, method, specs.get(method),
@@ -141,6 +153,7 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg) -
                 raise
             rows.append(failed(row, exc))  # a peer failing on a model is a result, reported
             continue
+        row.update(load_1m=round(os.getloadavg()[0], 2), cores=os.cpu_count())
         rows.append(costed(row, pre.tokens))
     del pre
     return rows
@@ -155,7 +168,7 @@ def _write_meta(cfg: BenchConfig) -> None:
     meta = {"dtype": cfg.dtype,
         "plan": cfg.plan(), "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n, "seed": cfg.seed,
         "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(), "machine": platform.machine(),
+        "threads": torch.get_num_threads(), "cores": os.cpu_count(), "machine": platform.machine(),
         "python": platform.python_version(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from kvstrata.cli.inputs import SEED, field_default, int_in
@@ -37,7 +38,7 @@ def register(sub) -> None:
                    help="the models' weights and activations (bf16: fast on CPUs with AVX512-BF16); rows "
                         "record it, and one --out holds one dtype's rows")
     b.add_argument("--quick", action="store_true",
-                   help="SmolLM2-135M, 2k, 2 instances per task, 8 methods (< 10 min)")
+                   help="SmolLM2-135M, 2k, 2 instances per task, 8 methods (12 cells, ~1,100 CPU-seconds)")
     b.set_defaults(func=bench)
 
     rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
@@ -120,7 +121,14 @@ def bench(args) -> int:
         peers=tuple(peers),
         dtype=args.dtype,
     )
-    path = run(cfg)
+    try:
+        path = run(cfg)
+    except KeyboardInterrupt:
+        kept = cfg.out / "results.jsonl"
+        rows = sum(1 for line in kept.open() if line.strip()) if kept.exists() else 0
+        print(f"\nkvstrata bench: interrupted; {rows} finished rows kept in {kept} (the cell under way is "
+              "redone); rerun the same command to resume", file=sys.stderr)
+        return 130
     print(f"results: {path}")
     print(f"report:  {write_report(cfg.out)}")
     return 0
