@@ -24,7 +24,10 @@ from kvstrata_lab.bench.peers.llamacpp import run_llamacpp
 from kvstrata_lab.bench.peers.worker_client import run_kvpress
 from kvstrata_lab.bench.results import load_meta, save_meta
 from kvstrata_lab.bench.rows import done_keys
-from kvstrata_lab.bench.tasks import FIDELITY, KNOWN, make_instance
+from kvstrata_lab.bench.tasks import FAMILY_TASKS, FIDELITY, KNOWN, REASON_TASKS, make_instance
+
+#: the tasks whose rows carry the answer-likelihood measure (the RULER rows stay as fast as they were)
+LIKELIHOOD_TASKS = FAMILY_TASKS + REASON_TASKS
 
 
 # Eviction budgets match the quantizers' bytes per token: fp8 ~0.53, nvfp4/mxfp4 ~0.28, int2 ~0.19 of bf16.
@@ -113,9 +116,10 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg, s
     if task in FIDELITY:
         cont = tok(inst.continuation, add_special_tokens=False, return_tensors="pt").input_ids
         ref = protocol.reference_logits(model, pre, cont)
-    # the reference answer teacher-forced over bf16's cache: every row's answer likelihood is paired with it
-    ref_lp = None if task in FIDELITY else likelihood.method_logprobs(
-        model, tok, pre, "bf16", parse_method("bf16"), inst.questions[0])
+    # on the family tasks (where *holds* is decided), the reference answer teacher-forced over bf16's
+    # cache: every row's answer likelihood is paired with it
+    ref_lp = likelihood.method_logprobs(model, tok, pre, "bf16", parse_method("bf16"), inst.questions[0]) \
+        if task in LIKELIHOOD_TASKS else None
     for method in methods:
         row = dict(base, method=method, family=family(method))
         peer = parse_peer(method) if is_peer(method) else None
@@ -144,7 +148,7 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg, s
                     )
                     step.update(1)
                 answered(row, inst, answers)
-                if peer is None:
+                if peer is None and ref_lp is not None:
                     got = likelihood.method_logprobs(model, tok, pre, method, specs.get(method),
                                                      inst.questions[0])
                     row.update(likelihood.compare(ref_lp, got))
