@@ -22,9 +22,9 @@ every layer is full length and goes into the global record.
 
 Lifecycle: at start each side logs (through vLLM's logger) the store, the method and the secret id it
 signs with; the worker runs its load path once on one chunk of random K/V before the first request
-(so the first hit pays no one-time cost); loads decode, and writes encode, each on a thread of one
-OpenMP thread (`threads`: not on vLLM's pinned team); at shutdown each side logs its counters. A store
-with another fleet's secret misses on that fleet's records and its writes of them are skipped, counted
+on the forward's thread (so the first hit pays no one-time cost there); writes encode on a thread of
+one OpenMP thread (`threads`); at shutdown each side logs its counters. A store with another fleet's
+secret misses on that fleet's records and its writes of them are skipped, counted
 (`writes_skipped_foreign`); a read-only store (`read_only`, or a root found not writable) serves hits
 and the worker does not encode chunks it could not write (`writes_refused_read_only`).
 """
@@ -136,7 +136,6 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
             self._reported = dict(self.totals)
             self._count_lock = threading.Lock()
             self._pool = one_openmp_thread("kvstrata-vllm-writer")
-            self._loader = one_openmp_thread("kvstrata-vllm-loader")  # the forward waits for its loads
             self._room = threading.BoundedSemaphore(MAX_PENDING_CHUNKS)
             self._pending = 0  # chunks handed to the writer and not yet written (or failed)
         log.info("kvstrata connector (%s): store %s, method %s, %d tokens per record, secret id %s, "
@@ -198,7 +197,7 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
         shapes = {tuple(t.shape) for t in kv_caches.values()}
         if len(shapes) != 1:
             raise ConfigError(f"kvstrata connector: attention layers hold pages of different shapes {shapes}")
-        self._loader.submit(self._warm).result()
+        self._warm()
 
     def _warm(self) -> None:
         """The load path run once before the first request (`ChunkCodec.warm`, and page offsets), so the
@@ -211,10 +210,8 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         plan = self._plan()
-        if plan is not None and plan.loads:
-            self._loader.submit(self._load_all, plan).result()
-
-    def _load_all(self, plan: StepPlan) -> None:
+        if plan is None:
+            return
         for item in plan.loads:
             try:
                 self._load(item, plan.chunk_tokens)
@@ -376,7 +373,6 @@ class KvstrataConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._role == KVConnectorRole.WORKER:
             self._pool.shutdown(wait=True)
-            self._loader.shutdown(wait=True)
             log.info("kvstrata connector (WORKER) shutting down: %s; store %s", self.totals,
                      self._store_counts())
         else:

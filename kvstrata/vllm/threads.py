@@ -1,14 +1,11 @@
-"""The threads the connector encodes and decodes on: one worker each, running one OpenMP thread.
+"""The thread the connector encodes and writes on: one worker, running one OpenMP thread.
 
-vLLM's CPU backend pins its forward's OpenMP team to cores. A record's encode or decode is thousands
-of small torch ops; on that team each forks over the pinned threads and waits for the slowest, and
-on a machine whose cores are busy that costs many times the work. Measured (SmolLM2-135M, NVFP4,
-2,048-token prompt, the machine under other load): decoding one 256-token chunk of 30 layers took
-12.9 s on the forward's thread and 0.54 s on one of these; a restarted engine's hits took 24.9 / 21.3
-/ 15.0 s, then 2.6 / 2.0 / 2.9 s. A writer thread on OpenMP's default team (as wide as the machine)
-spun on the forward's cores instead: a 6-turn conversation took 7.8 s instead of 4.5. OpenMP's
-thread count is per thread, so this leaves the forward's alone (vLLM replaces
-`torch.set_num_threads`, which would also set MKL's process-wide count).
+A new thread starts with OpenMP's default team (as wide as the machine), whose spinning workers share
+the cores vLLM's CPU backend pins its forward to: measured, a 6-turn conversation took 7.8 s instead
+of 4.5. OpenMP's thread count is per thread, so this leaves the forward's alone (vLLM replaces
+`torch.set_num_threads`, which would also set MKL's process-wide count). Loads stay on the forward's
+thread and team: measured back to back (SmolLM2-135M, NVFP4, 2,048-token prompt, hits after a
+restart), decoding them on a one-OpenMP-thread loader made hits 0.7-1.9 s against 0.4-1.0 s.
 """
 
 from __future__ import annotations
