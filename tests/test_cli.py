@@ -42,8 +42,11 @@ def test_generate_profile_lists_time_then_kvstrata_by_total(tiny_dir, capsys):
 
 
 def test_bad_method_fails_before_loading(capsys):
-    assert main(["generate", "--model", "/nonexistent", "--method", "fp5", "--prompt", "x"]) == 2
+    assert main(["generate", "--model", "tiny-llama", "--method", "fp5", "--prompt", "x"]) == 2
     assert "unknown method 'fp5'" in capsys.readouterr().err
+    # both wrong: the model is named first, from the catalog alone (no torch: a typo answers at once)
+    assert main(["generate", "--model", "/nonexistent", "--method", "fp5", "--prompt", "x"]) == 2
+    assert "--model: '/nonexistent' is neither a known model" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -220,7 +220,7 @@ CASES = [
     ("chat script without turns", ["chat", "--model", "{llama}", "--script", "{noturns}"],
      "--script: {noturns} holds no turns"),
     ("chat max-new-tokens past context",
-     ["chat", "--model", "{llama}", "--script", "{script}", "--max-new-tokens", "20000"],
+     ["chat", "--model", "{llama}", "--method", "nvfp4", "--script", "{script}", "--max-new-tokens", "20000"],
      "the first turn is 22 tokens; with 20,000 new tokens"),
     ("serve keep policy in the store", [*SERVE, "--method", "snapkv"], "keep policies do not apply"),
     ("serve layer past the model", [*SERVE, "--method", "fp8;layers[4]=nvfp4"], "assigns layer 4"),
