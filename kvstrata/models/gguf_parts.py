@@ -96,7 +96,7 @@ def _stamp(path: Path, sha256: str) -> str:
 
 def read_header(path: Path) -> dict[str, str]:
     """The GGUF's `general.architecture` and `general.name` (the `gguf` package's reader)."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # optional dependency (the models extra); the catalog imports this module
 
     try:
         reader = GGUFReader(str(path))

@@ -9,6 +9,7 @@ import sys
 import time
 
 from kvstrata.models.catalog import KNOWN_MODELS
+from kvstrata.models.loader import cache_dir
 
 
 def requirements(name: str) -> tuple[str, ...]:
@@ -22,8 +23,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not names:
         print(f"install: name known models ({', '.join(KNOWN_MODELS)}); unknown: {unknown}", file=sys.stderr)
         return 2
-    from kvstrata.models.loader import cache_dir
-
     for name in names:
         known = KNOWN_MODELS[name]
         reqs = requirements(name)

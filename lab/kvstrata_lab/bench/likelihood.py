@@ -6,17 +6,17 @@ answer token; paired, so most noise of the instance cancels), and per answer tok
 KL(bf16 || method) of the next-token distributions and whether both put the same token on top --
 the statistics llama.cpp's `--kl-divergence` prints (mean, 99th percentile, same-top share). A
 method *holds on likelihood* when its ΔLL's lower 95 % bound is ≥ `DLL_FLOOR` and its mean answer
-KL ≤ `KL_CEILING` (`kvstrata_lab.bench.transfer`)."""
+KL ≤ `KL_CEILING` (both in `kvstrata_lab.bench.transfer`, where *holds* is decided)."""
 
 from __future__ import annotations
 
 import torch
 
+from kvstrata.hf.attention import stock_attention
 from kvstrata.hf.run import forward
+from kvstrata.hf.topk_attention import reading
+from kvstrata_lab.bench import protocol
 from kvstrata_lab.bench.tasks import Question
-
-DLL_FLOOR = -0.05  # nats per answer token: the lower 95 % bound of ΔLL vs bf16 a method must keep
-KL_CEILING = 0.05  # nats: the mean answer-token KL(bf16 || method) a method may reach
 
 
 def reference_text(question: Question) -> str:
@@ -58,10 +58,6 @@ def compare(ref: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, tor
 def method_logprobs(model, tokenizer, pre, method: str, spec, question: Question):
     """`answer_logprobs` over a fresh cache of `method` built from the prefill `pre` (ours: the spec's
     `CompressedCache` read as the spec says; the stock rows: their own caches and attention)."""
-    from kvstrata.hf.attention import stock_attention
-    from kvstrata.hf.topk_attention import reading
-    from kvstrata_lab.bench import protocol
-
     if method in (protocol.DYNAMIC, protocol.STATIC):
         room = len(tokenizer(question.text + reference_text(question), add_special_tokens=False).input_ids)
         cache = (protocol.copy.deepcopy(pre.dense) if method == protocol.DYNAMIC
