@@ -66,7 +66,7 @@ qwen-1.5b: $(call QWEN_STAMP,qwen-1.5b)
 qwen: qwen-0.5b qwen-1.5b
 
 demo: $(STAMP)
-	@echo "demo: kvstrata bench --quick (SmolLM2-135M, 2k tokens, 12 cells of 8 methods; ~1,000 CPU-seconds)." \
+	@echo "demo: kvstrata bench --quick (SmolLM2-135M, 2k tokens, 12 cells of 8 methods; ~2.5 min alone on 2 cores)." \
 		"Ctrl-C keeps the finished rows; rerun to resume"
 	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick
 

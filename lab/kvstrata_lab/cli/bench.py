@@ -38,7 +38,7 @@ def register(sub) -> None:
                    help="the models' weights and activations (bf16: fast on CPUs with AVX512-BF16); rows "
                         "record it, and one --out holds one dtype's rows")
     b.add_argument("--quick", action="store_true",
-                   help="SmolLM2-135M, 2k, 2 instances per task, 8 methods (12 cells, ~1,000 CPU-seconds)")
+                   help="SmolLM2-135M, 2k, 2 instances per task, 8 methods (12 cells, ~2.5 min alone)")
     b.set_defaults(func=bench)
 
     rp = sub.add_parser("report", help="write report.md / plots / report.html for a bench directory")
