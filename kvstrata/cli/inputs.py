@@ -61,14 +61,12 @@ def model_name(text: str, flag: str = "--model") -> str:
     """Refuse a model that is neither a known one nor a local model directory, from the catalog alone
     (no torch, no transformers: a mistyped name answers at once). The message is the loader's
     (`kvstrata.models.loader.check`), which checks the same when the model loads."""
-    from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
+    from kvstrata.models.catalog import unknown_model
 
-    key = text.lower()
-    if key in KNOWN_MODELS or key in TINY_MODELS or (Path(text).expanduser() / "config.json").exists():
-        return text
-    known = ", ".join([*KNOWN_MODELS, *TINY_MODELS])
-    raise ValueError(f"{flag}: {text!r} is neither a known model ({known}) nor a local model directory with "
-                     "config.json")
+    why = unknown_model(text)
+    if why:
+        raise ValueError(f"{flag}: {why}")
+    return text
 
 
 def prompt_text(prompt: str | None, prompt_file: str | None) -> str:

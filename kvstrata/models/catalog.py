@@ -131,3 +131,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         *(_parts_model(*row) for row in _QWEN),
     )
 }
+
+
+def unknown_model(name_or_path: str) -> str | None:
+    """Why `name_or_path` is no model -- neither a known one, a tiny one nor a local directory with
+    config.json -- or None; from the catalog and the file system alone (no torch)."""
+    key = name_or_path.lower()
+    local = (Path(name_or_path).expanduser() / "config.json").exists()
+    if key in KNOWN_MODELS or key in TINY_MODELS or local:
+        return None
+    known = ", ".join([*KNOWN_MODELS, *TINY_MODELS])
+    return f"{name_or_path!r} is neither a known model ({known}) nor a local model directory with config.json"

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvstrata.hf.cache import check_fits_model
 from kvstrata.methods import MethodSpec, check_store, parse_method, render_recipe
-from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS
+from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS, unknown_model
 from kvstrata.models.tiny import save_tiny, tiny_config
 from kvstrata.settings import DTYPES
 
@@ -131,17 +131,9 @@ def _tiny(name: str) -> Path:
 def check(name_or_path: str) -> None:
     """Raise a clear error unless `name_or_path` is a known model or a local model directory
     (cheap: converts nothing, so a long run can check its models before it starts)."""
-    key = name_or_path.lower()
-    if (
-        key in KNOWN_MODELS
-        or key in TINY_MODELS
-        or (Path(name_or_path).expanduser() / "config.json").exists()
-    ):
-        return
-    raise FileNotFoundError(
-        f"{name_or_path!r} is neither a known model ({', '.join([*KNOWN_MODELS, *TINY_MODELS])}) nor a "
-        "local model directory with config.json"
-    )
+    why = unknown_model(name_or_path)
+    if why:
+        raise FileNotFoundError(why)
 
 
 def resolve(name_or_path: str) -> Path:

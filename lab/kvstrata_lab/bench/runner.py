@@ -110,7 +110,7 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg, s
     base = cell_base(model, model_name, length, inst, ids.shape[1], None)
     pre = protocol.prefill(model, ids)
     base["prefill_s"] = pre.seconds
-    base["dtype"] = getattr(cfg, "dtype", "float32")
+    base["dtype"] = cfg.dtype
     rows = []
     ref = None
     if task in FIDELITY:
