@@ -99,6 +99,27 @@ def test_fused_equals_decode_then_attend(spec, shape, isa):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(cpu.expected_isa() != "avx512", reason="the in-register reads are AVX-512 code")
+@pytest.mark.parametrize("shape", SHAPES + [(1, 12, 2, 128), (1, 14, 2, 64)])
+def test_reading_codes_in_registers_equals_the_buffered_tiles_bit_for_bit(shape, monkeypatch):
+    """Scores and value sums taken from the codes in registers (no decoded tile written) are the
+    buffered path's, bit for bit, dense and sparse: every committed number stands."""
+    fused, buffered = cpu.load(isa="native"), cpu.load(isa="buffered")
+    assert fused.reads_in_registers() and not buffered.reads_in_registers()
+    for spec in SPECS + ["fp8:block=16", "int4:r=0,keys=token,group=128", "int2:r=0,keys=token"]:
+        view, (tk, tv), q = _view(spec, shape, seed=4)
+        total = view.tokens + tk.shape[-2]
+        g = torch.Generator().manual_seed(5)
+        idx = torch.stack([torch.randperm(total, generator=g)[:40].sort().values for _ in range(shape[2])])
+        got = {}
+        for name, module in (("fused", fused), ("buffered", buffered)):
+            monkeypatch.setattr(cpu, "load", lambda *a, module=module, **k: module)
+            got[name] = [decode_attention(q, view, tk, tv, 0.1), decode_attention(q, view, tk, tv, 0.1, 5.0),
+                         decode_attention(q, view, tk, tv, 0.1, idx=idx[None].expand(shape[0], -1, -1))]
+        for a, b in zip(got["fused"], got["buffered"]):
+            assert torch.equal(a, b), spec
+
+
 @pytest.mark.parametrize("spec", ["nvfp4", "int4:r=0", "nvfp4:smooth=0.5,rot=hadamard"])
 def test_centered_keys_attend_as_the_keys_they_decode_to(spec):
     """Codes holding K - m: the fused path shifts every score by q.m (a softcap bends that shift,

@@ -95,6 +95,7 @@ struct Run {
   int64_t length = 0, skip = 0;
   int block = 0;  // elements per scale block (along head_dim, or along tokens when channel)
   float tscale = 1.f;
+  const float* scaled = nullptr;  // NVFP4: T.e4m3[x] * tscale for every scale byte x (the same products)
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
   const uint8_t* mins = nullptr;
@@ -119,14 +120,21 @@ inline void int_codes(const uint8_t* p, int n, int bits, float* out) {
 }
 
 #if KV_AVX512
-// 16 four-bit codes (8 bytes, low nibble first) as indices into a 16-lane table: byte j's 64-bit
-// lane holds it in its low dword and, shifted by 28, its high nibble in the high dword; the lookup
-// reads each dword's low 4 bits.
+// 16 four-bit codes (8 bytes, low nibble first) as indices into a 16-lane table; the lookup reads
+// each dword's low 4 bits. With AVX512-VBMI one multishift puts code e's bits (4e ..) in dword e's low
+// byte; otherwise byte j's 64-bit lane holds it in its low dword and, shifted by 28, its high nibble
+// in the high dword. Both look up the same entries.
 inline __m512 nibbles16(const uint8_t* p, __m512 table) {
   long long word;
   std::memcpy(&word, p, 8);
+#if defined(__AVX512VBMI__)
+  const __m512i at = _mm512_set_epi64(0x3c3c3c3c38383838, 0x3434343430303030, 0x2c2c2c2c28282828, 0x2424242420202020,
+                                      0x1c1c1c1c18181818, 0x1414141410101010, 0x0c0c0c0c08080808, 0x0404040400000000);
+  return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(at, _mm512_set1_epi64(word)), table);
+#else
   const __m512i w = _mm512_cvtepu8_epi64(_mm_cvtsi64_si128(word));
   return _mm512_permutexvar_ps(_mm512_or_si512(w, _mm512_slli_epi64(w, 28)), table);
+#endif
 }
 #endif
 

@@ -4,7 +4,8 @@ Built with torch's `cpp_extension` for this machine (`-O3 -march=native`, OpenMP
 runtime) into `$KVSTRATA_CACHE/kernels/<hash>`, keyed by the sources, torch's version, the flags and
 the CPU, so a rebuild happens only when one of them changes. The decode path is the best this CPU
 has (AVX-512, else AVX2, else scalar); `KVSTRATA_KERNEL_ISA=avx2|scalar` builds a lower one (tests
-check every path the machine can run against the reference). If the build fails, callers fall back to the
+check every path the machine can run against the reference), `=buffered` the best one with every tile
+decoded into a float buffer (the reference the in-register reads are tested against, bit for bit). If the build fails, callers fall back to the
 reference path and a one-line warning says why. `KVSTRATA_KERNELS=reference` skips it. Processes
 take turns on the build directory through an OS file lock, which dies with its holder: torch's own
 lock file outlives a process killed mid-build and would make every later one wait forever.
@@ -22,10 +23,12 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("codes.h", "linalg.h", "topk.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("codes.h", "fused.h", "linalg.h", "topk.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # the instruction sets a build can be held to (GCC drops every extension built on the one removed)
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"]}
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"],
+             # the best path, but every tile decoded into a float buffer first (the fused reads' reference)
+             "buffered": ["-DKV_BUFFERED"]}
 _state: dict = {}
 
 
@@ -63,7 +66,7 @@ def runnable_isas() -> list[str]:
 def expected_isa(isa: str = "native") -> str:
     """The decode path a build for `isa` on this CPU takes (what the module's `isa()` reports)."""
     flags = set(_cpu_id().split())
-    if isa == "native" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+    if isa in ("native", "buffered") and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         return "avx512"
     return "avx2" if isa != "scalar" and {"avx2", "fma"} <= flags else "scalar"
 

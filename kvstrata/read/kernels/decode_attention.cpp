@@ -7,6 +7,7 @@
 // codes), and folds it into an online softmax; slices are merged at the end. Nothing the size of
 // the layer is ever decoded.
 #include "codes.h"
+#include "fused.h"
 #include "linalg.h"
 #include "topk.h"
 
@@ -72,9 +73,11 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
     if (kr.channel) {
       decode_channel_tile(kr, b, h, tile.row, n, d, kbuf.data());
       channel_scores(q, G, d, kbuf.data(), n, s.data());
+    } else if (fusable(kr, d, G)) {
+      scores_from_codes(kr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, q, G, s.data());
     } else {
       decode_tile(kr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, dp, kbuf.data());
-      for (int g = 0; g < G; g++) dots(q + g * d, kbuf.data(), n, d, dp, s.data() + g * TILE);
+      dots_group(q, G, kbuf.data(), n, d, dp, s.data());
     }
     if (bias) {
       const int64_t base = starts[tile.seg] - kr.skip;  // logical position of row 0 of this run
@@ -108,8 +111,12 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
         for (int c = 0; c < d; c++) a[c] *= corr;
       }
     }
-    decode_tile(vr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, dp, vbuf.data());
-    accumulate_group(s.data(), G, vbuf.data(), n, d, dp, out.acc.data());
+    if (fusable(vr, d, G)) {
+      accumulate_from_codes(vr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, s.data(), G, out.acc.data());
+    } else {
+      decode_tile(vr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, dp, vbuf.data());
+      accumulate_group(s.data(), G, vbuf.data(), n, d, dp, out.acc.data());
+    }
   }
 }
 
@@ -139,6 +146,7 @@ struct Problem {
   std::vector<int64_t> starts;  // logical position where each run's visible tokens begin
   std::vector<Tile> all;        // dense tiles (empty when sparse)
   std::vector<Partial> parts;
+  std::vector<float> scaled;  // per NVFP4 run: its 256 scale values times its tensor scale
   int64_t B = 0, Hq = 0, Hk = 1, total = 0, m = 0, units = 0, splits = 1;
   int d = 0, dp = 0, G = 1;
   bool sparse = false, biased = false;
@@ -172,6 +180,14 @@ void prepare(Problem& p, const torch::Tensor& q, const std::vector<torch::Tensor
     p.V.push_back(make_run(vparts, p.vm.data_ptr<int64_t>() + 5 * i, p.vt.data_ptr<float>()[i], i));
     for (const Run* r : {&p.K.back(), &p.V.back()})
       if (!r->channel && r->block > 0) p.dp = std::max(p.dp, (int)((p.d + r->block - 1) / r->block * r->block));
+  }
+  p.scaled.resize(2 * nruns * 256);
+  for (int64_t i = 0; i < 2 * nruns; i++) {
+    Run& r = i < nruns ? p.K[i] : p.V[i - nruns];
+    if (r.kind != NVFP4) continue;
+    float* t = p.scaled.data() + 256 * i;
+    for (int x = 0; x < 256; x++) t[x] = T.e4m3[x] * r.tscale;
+    r.scaled = t;
   }
   // Channel-grouped key runs decode into a [d, TILE] buffer; rows need dp columns
   p.Hk = p.K.empty() ? 1 : (kparts[0].dim() >= 2 ? kparts[0].size(1) : 1);
@@ -303,6 +319,7 @@ std::vector<torch::Tensor> decode_attention_varlen(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", []() { return std::string(kv::isa()); }, "the instruction set this build decodes with");
+  m.def("reads_in_registers", []() { return kv::READS_IN_REGISTERS; }, "whether token-major codes are read in registers");
   m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
   m.def("topk_positions", &topk_positions, "the k best index positions per KV head (sparse reads)");
   m.def("decode_attention_varlen", &decode_attention_varlen, "decode attention for many sequences in one call");

@@ -1,0 +1,214 @@
+// Scores and value sums straight from a token-major run's codes, 16 values at a time in registers
+// (AVX-512): no tile of decoded floats is written and read back. Each chunk of 16 values is computed
+// by the very instructions `decode_tile` uses, and the sums are taken in `dots` / `accumulate_group`'s
+// order, so every score and output equals the buffered path's bit for bit (tests compare them).
+#pragma once
+
+#include "codes.h"
+#include "linalg.h"
+
+namespace kv {
+namespace {
+
+#if KV_AVX512
+// Row t's values 16c .. 16c + 15 of one run at (b, h), for codecs whose scale blocks hold whole
+// 16-value chunks (`fusable`).
+template <int KIND>
+struct Chunks {
+  const Run& r;
+  const uint8_t *cb, *sb, *mb, *c = nullptr, *s = nullptr, *m = nullptr;
+  __m512 table;
+  int shift = 0;  // log2(chunks per scale block)
+  Chunks(const Run& run, int64_t b, int64_t h)
+      : r(run), cb(run.codes + b * run.cs[0] + h * run.cs[1]),
+        sb(run.scales ? run.scales + b * run.ss[0] + h * run.ss[1] : nullptr),
+        mb(run.mins ? run.mins + b * run.ms[0] + h * run.ms[1] : nullptr), table(_mm512_loadu_ps(T.e2m1)) {
+    while ((16 << shift) < run.block) shift++;
+  }
+  void row(int64_t t) {
+    c = cb + t * r.cs[2];
+    s = sb ? sb + t * r.ss[2] : nullptr;
+    m = mb ? mb + t * r.ms[2] : nullptr;
+  }
+  __m512 operator()(int j) const {
+    const int k = j >> shift;  // the chunk's scale block
+    if constexpr (KIND == BF16) {
+      const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c) + j));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    } else if constexpr (KIND == FP8) {
+      const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
+      const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * j)));
+      const __m256i mag = _mm256_and_si256(w, m7f);
+      const __m256i hb = _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(w, m80), 8));
+      const __m512 v = _mm512_mask_mov_ps(_mm512_cvtph_ps(hb), _mm256_cmpeq_epi16_mask(mag, m7f),
+                                          _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+      return _mm512_mul_ps(v, _mm512_set1_ps(reinterpret_cast<const float*>(s)[k] * 256.f));
+    } else if constexpr (KIND == NVFP4 || KIND == MXFP4) {
+      const float scale = KIND == NVFP4 ? r.scaled[s[k]] : e8m0(s[k]);
+      return _mm512_mul_ps(nibbles16(c + 8 * j, table), _mm512_set1_ps(scale));
+    } else {  // INT4 / INT2: lo + code * scale
+      const uint16_t* sh = reinterpret_cast<const uint16_t*>(s);
+      const uint16_t* mh = reinterpret_cast<const uint16_t*>(m);
+      return _mm512_fmadd_ps(int_codes16(c, KIND == INT4 ? 4 : 2, 16 * j), _mm512_set1_ps(half_to_float(sh[k])),
+                             _mm512_set1_ps(half_to_float(mh[k])));
+    }
+  }
+};
+
+// s[g * TILE + i] = q_g . row i for the n rows (rows[i], or row0 + i): each row's chunks decoded once
+// for all G heads, summed as dots() sums.
+template <int D, int G, int KIND>
+inline void fused_scores(Chunks<KIND> ch, const int64_t* rows, int64_t row0, int n, const float* q, float* s) {
+  constexpr int C = D / 16;
+  alignas(64) float h[G][16 * 8];  // folded sums per head and row of a 16-row block
+  for (int i = 0; i < n; i += 16) {
+    const int m = std::min(16, n - i);
+    for (int j = 0; j < 16; j++) {
+      if (j >= m) {
+        for (int g = 0; g < G; g++) _mm256_store_ps(h[g] + 8 * j, _mm256_setzero_ps());
+        continue;
+      }
+      ch.row(rows ? rows[i + j] : row0 + i + j);
+      __m512 k[C];
+      for (int c = 0; c < C; c++) k[c] = ch(c);
+      for (int g = 0; g < G; g++) {
+        const float* qg = q + g * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+        for (int c = 1; c < C; c++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], a);
+        _mm256_store_ps(h[g] + 8 * j, _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      __m256 hv[16];
+      for (int j = 0; j < 16; j++) hv[j] = _mm256_load_ps(h[g] + 8 * j);
+      float out[16];
+      _mm256_storeu_ps(out, hsum8(hv));
+      _mm256_storeu_ps(out + 8, hsum8(hv + 8));
+      std::memcpy(s + g * TILE + i, out, sizeof(float) * m);
+    }
+  }
+}
+
+// acc[g * D + c] += sum_i p[g * TILE + i] v_i[c] for every head g < GG, 64 columns at a time as
+// accumulate_heads64 adds them, each row's chunks decoded in registers.
+template <int D, int GG, int KIND>
+inline void fused_accumulate(Chunks<KIND> ch, const int64_t* rows, int64_t row0, int n, const float* p, float* acc) {
+  for (int c0 = 0; c0 < D / 16; c0 += 4) {
+    __m512 r[GG][4];
+    for (int g = 0; g < GG; g++)
+      for (int j = 0; j < 4; j++) r[g][j] = _mm512_loadu_ps(acc + g * D + 16 * (c0 + j));
+    for (int i = 0; i < n; i++) {
+      ch.row(rows ? rows[i] : row0 + i);
+      const __m512 v0 = ch(c0), v1 = ch(c0 + 1), v2 = ch(c0 + 2), v3 = ch(c0 + 3);
+      for (int g = 0; g < GG; g++) {
+        const __m512 pv = _mm512_set1_ps(p[g * TILE + i]);
+        r[g][0] = _mm512_fmadd_ps(pv, v0, r[g][0]);
+        r[g][1] = _mm512_fmadd_ps(pv, v1, r[g][1]);
+        r[g][2] = _mm512_fmadd_ps(pv, v2, r[g][2]);
+        r[g][3] = _mm512_fmadd_ps(pv, v3, r[g][3]);
+      }
+    }
+    for (int g = 0; g < GG; g++)
+      for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + g * D + 16 * (c0 + j), r[g][j]);
+  }
+}
+
+template <int D, int KIND>
+inline void fused_accumulate_g(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
+                               const float* p, int G, float* acc) {
+  const Chunks<KIND> ch(r, b, h);
+  switch (G) {
+    case 1: fused_accumulate<D, 1, KIND>(ch, rows, row0, n, p, acc); break;
+    case 2: fused_accumulate<D, 2, KIND>(ch, rows, row0, n, p, acc); break;
+    case 3: fused_accumulate<D, 3, KIND>(ch, rows, row0, n, p, acc); break;
+    default: fused_accumulate<D, 4, KIND>(ch, rows, row0, n, p, acc);
+  }
+}
+#endif
+
+#if KV_AVX512 && !defined(KV_BUFFERED)
+constexpr bool READS_IN_REGISTERS = true;
+#else
+constexpr bool READS_IN_REGISTERS = false;
+#endif
+
+// Whether a run's rows can be read in registers here: token-major, a head_dim of 64 / 128 / 256, at
+// most 4 query heads per KV head, and scale blocks of whole 16-value chunks (a power of two). A build
+// with KV_BUFFERED (`KVSTRATA_KERNEL_ISA=buffered`) never does: the tests compare the two.
+inline bool fusable(const Run& r, int d, int G) {
+#if KV_AVX512
+  if (!READS_IN_REGISTERS || r.channel || G > 4 || (d != 64 && d != 128 && d != 256)) return false;
+  if (r.kind == BF16) return true;
+  const bool pow2 = r.block >= 16 && (r.block & (r.block - 1)) == 0;
+  return pow2 && (r.kind == FP8 || r.kind == NVFP4 || r.kind == MXFP4 || r.kind == INT4 || r.kind == INT2);
+#else
+  (void)r, (void)d, (void)G;
+  return false;
+#endif
+}
+
+#if KV_AVX512
+template <int D, int KIND>
+inline void fused_scores_g(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
+                           const float* q, int G, float* s) {
+  const Chunks<KIND> ch(r, b, h);
+  switch (G) {
+    case 1: fused_scores<D, 1, KIND>(ch, rows, row0, n, q, s); break;
+    case 2: fused_scores<D, 2, KIND>(ch, rows, row0, n, q, s); break;
+    case 3: fused_scores<D, 3, KIND>(ch, rows, row0, n, q, s); break;
+    default: fused_scores<D, 4, KIND>(ch, rows, row0, n, q, s);
+  }
+}
+
+template <int D>
+inline void fused_scores_d(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
+                           const float* q, int G, float* s) {
+  switch (r.kind) {
+    case BF16: fused_scores_g<D, BF16>(r, b, h, rows, row0, n, q, G, s); break;
+    case FP8: fused_scores_g<D, FP8>(r, b, h, rows, row0, n, q, G, s); break;
+    case NVFP4: fused_scores_g<D, NVFP4>(r, b, h, rows, row0, n, q, G, s); break;
+    case MXFP4: fused_scores_g<D, MXFP4>(r, b, h, rows, row0, n, q, G, s); break;
+    case INT4: fused_scores_g<D, INT4>(r, b, h, rows, row0, n, q, G, s); break;
+    default: fused_scores_g<D, INT2>(r, b, h, rows, row0, n, q, G, s);
+  }
+}
+
+template <int D>
+inline void fused_accumulate_d(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
+                               const float* p, int G, float* acc) {
+  switch (r.kind) {
+    case BF16: fused_accumulate_g<D, BF16>(r, b, h, rows, row0, n, p, G, acc); break;
+    case FP8: fused_accumulate_g<D, FP8>(r, b, h, rows, row0, n, p, G, acc); break;
+    case NVFP4: fused_accumulate_g<D, NVFP4>(r, b, h, rows, row0, n, p, G, acc); break;
+    case MXFP4: fused_accumulate_g<D, MXFP4>(r, b, h, rows, row0, n, p, G, acc); break;
+    case INT4: fused_accumulate_g<D, INT4>(r, b, h, rows, row0, n, p, G, acc); break;
+    default: fused_accumulate_g<D, INT2>(r, b, h, rows, row0, n, p, G, acc);
+  }
+}
+#endif
+
+// The tile's scores (s[g * TILE + i]) / value sums (acc[g * d ..]) from a `fusable` run's codes.
+inline void scores_from_codes(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n, int d,
+                              const float* q, int G, float* s) {
+#if KV_AVX512
+  if (d == 64) fused_scores_d<64>(r, b, h, rows, row0, n, q, G, s);
+  else if (d == 128) fused_scores_d<128>(r, b, h, rows, row0, n, q, G, s);
+  else fused_scores_d<256>(r, b, h, rows, row0, n, q, G, s);
+#else
+  (void)r, (void)b, (void)h, (void)rows, (void)row0, (void)n, (void)d, (void)q, (void)G, (void)s;
+#endif
+}
+
+inline void accumulate_from_codes(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
+                                  int d, const float* p, int G, float* acc) {
+#if KV_AVX512
+  if (d == 64) fused_accumulate_d<64>(r, b, h, rows, row0, n, p, G, acc);
+  else if (d == 128) fused_accumulate_d<128>(r, b, h, rows, row0, n, p, G, acc);
+  else fused_accumulate_d<256>(r, b, h, rows, row0, n, p, G, acc);
+#else
+  (void)r, (void)b, (void)h, (void)rows, (void)row0, (void)n, (void)d, (void)p, (void)G, (void)acc;
+#endif
+}
+
+}  // namespace
+}  // namespace kv
