@@ -89,39 +89,44 @@ inline void fused_scores(Chunks<KIND> ch, const int64_t* rows, int64_t row0, int
   }
 }
 
-// acc[g * D + c] += sum_i p[g * TILE + i] v_i[c] for every head g < GG, 64 columns at a time as
-// accumulate_heads64 adds them, each row's chunks decoded in registers.
-template <int D, int GG, int KIND>
+// acc[g * D + c] += sum_i p[g * TILE + i] v_i[c] for every head g < GG, W chunks (16W columns) at a
+// time, each row's chunks decoded in registers: every column's sum is accumulate_heads64's (one fma
+// per row, rows in order), whatever W and GG are.
+template <int D, int GG, int W, int KIND>
 inline void fused_accumulate(Chunks<KIND> ch, const int64_t* rows, int64_t row0, int n, const float* p, float* acc) {
-  for (int c0 = 0; c0 < D / 16; c0 += 4) {
-    __m512 r[GG][4];
+  for (int c0 = 0; c0 < D / 16; c0 += W) {
+    __m512 r[GG][W];
     for (int g = 0; g < GG; g++)
-      for (int j = 0; j < 4; j++) r[g][j] = _mm512_loadu_ps(acc + g * D + 16 * (c0 + j));
+      for (int j = 0; j < W; j++) r[g][j] = _mm512_loadu_ps(acc + g * D + 16 * (c0 + j));
     for (int i = 0; i < n; i++) {
       ch.row(rows ? rows[i] : row0 + i);
-      const __m512 v0 = ch(c0), v1 = ch(c0 + 1), v2 = ch(c0 + 2), v3 = ch(c0 + 3);
+      __m512 v[W];
+      for (int j = 0; j < W; j++) v[j] = ch(c0 + j);
       for (int g = 0; g < GG; g++) {
         const __m512 pv = _mm512_set1_ps(p[g * TILE + i]);
-        r[g][0] = _mm512_fmadd_ps(pv, v0, r[g][0]);
-        r[g][1] = _mm512_fmadd_ps(pv, v1, r[g][1]);
-        r[g][2] = _mm512_fmadd_ps(pv, v2, r[g][2]);
-        r[g][3] = _mm512_fmadd_ps(pv, v3, r[g][3]);
+        for (int j = 0; j < W; j++) r[g][j] = _mm512_fmadd_ps(pv, v[j], r[g][j]);
       }
     }
     for (int g = 0; g < GG; g++)
-      for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + g * D + 16 * (c0 + j), r[g][j]);
+      for (int j = 0; j < W; j++) _mm512_storeu_ps(acc + g * D + 16 * (c0 + j), r[g][j]);
   }
 }
 
+// up to 4 heads 64 columns at a time, 5 to 8 heads 32 columns at a time (their accumulators stay in
+// registers either way, and each value chunk is decoded once)
 template <int D, int KIND>
 inline void fused_accumulate_g(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
                                const float* p, int G, float* acc) {
   const Chunks<KIND> ch(r, b, h);
   switch (G) {
-    case 1: fused_accumulate<D, 1, KIND>(ch, rows, row0, n, p, acc); break;
-    case 2: fused_accumulate<D, 2, KIND>(ch, rows, row0, n, p, acc); break;
-    case 3: fused_accumulate<D, 3, KIND>(ch, rows, row0, n, p, acc); break;
-    default: fused_accumulate<D, 4, KIND>(ch, rows, row0, n, p, acc);
+    case 1: fused_accumulate<D, 1, 4, KIND>(ch, rows, row0, n, p, acc); break;
+    case 2: fused_accumulate<D, 2, 4, KIND>(ch, rows, row0, n, p, acc); break;
+    case 3: fused_accumulate<D, 3, 4, KIND>(ch, rows, row0, n, p, acc); break;
+    case 4: fused_accumulate<D, 4, 4, KIND>(ch, rows, row0, n, p, acc); break;
+    case 5: fused_accumulate<D, 5, 2, KIND>(ch, rows, row0, n, p, acc); break;
+    case 6: fused_accumulate<D, 6, 2, KIND>(ch, rows, row0, n, p, acc); break;
+    case 7: fused_accumulate<D, 7, 2, KIND>(ch, rows, row0, n, p, acc); break;
+    default: fused_accumulate<D, 8, 2, KIND>(ch, rows, row0, n, p, acc);
   }
 }
 #endif
@@ -133,11 +138,11 @@ constexpr bool READS_IN_REGISTERS = false;
 #endif
 
 // Whether a run's rows can be read in registers here: token-major, a head_dim of 64 / 128 / 256, at
-// most 4 query heads per KV head, and scale blocks of whole 16-value chunks (a power of two). A build
+// most 8 query heads per KV head (Qwen2.5's 6 and 7 included), and scale blocks of whole 16-value chunks (a power of two). A build
 // with KV_BUFFERED (`KVSTRATA_KERNEL_ISA=buffered`) never does: the tests compare the two.
 inline bool fusable(const Run& r, int d, int G) {
 #if KV_AVX512
-  if (!READS_IN_REGISTERS || r.channel || G > 4 || (d != 64 && d != 128 && d != 256)) return false;
+  if (!READS_IN_REGISTERS || r.channel || G > 8 || (d != 64 && d != 128 && d != 256)) return false;
   if (r.kind == BF16) return true;
   const bool pow2 = r.block >= 16 && (r.block & (r.block - 1)) == 0;
   return pow2 && (r.kind == FP8 || r.kind == NVFP4 || r.kind == MXFP4 || r.kind == INT4 || r.kind == INT2);
@@ -156,7 +161,11 @@ inline void fused_scores_g(const Run& r, int64_t b, int64_t h, const int64_t* ro
     case 1: fused_scores<D, 1, KIND>(ch, rows, row0, n, q, s); break;
     case 2: fused_scores<D, 2, KIND>(ch, rows, row0, n, q, s); break;
     case 3: fused_scores<D, 3, KIND>(ch, rows, row0, n, q, s); break;
-    default: fused_scores<D, 4, KIND>(ch, rows, row0, n, q, s);
+    case 4: fused_scores<D, 4, KIND>(ch, rows, row0, n, q, s); break;
+    case 5: fused_scores<D, 5, KIND>(ch, rows, row0, n, q, s); break;
+    case 6: fused_scores<D, 6, KIND>(ch, rows, row0, n, q, s); break;
+    case 7: fused_scores<D, 7, KIND>(ch, rows, row0, n, q, s); break;
+    default: fused_scores<D, 8, KIND>(ch, rows, row0, n, q, s);
   }
 }
 
@@ -187,8 +196,10 @@ inline void fused_accumulate_d(const Run& r, int64_t b, int64_t h, const int64_t
 }
 #endif
 
-// The tile's scores (s[g * TILE + i]) / value sums (acc[g * d ..]) from a `fusable` run's codes.
-inline void scores_from_codes(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n, int d,
+// The tile's scores (s[g * TILE + i]) / value sums (acc[g * d ..]) from a `fusable` run's codes. Kept
+// out of line: inlined, their many instantiations changed how the compiler laid out the buffered
+// paths beside them (KIVI tiles ran 1.2x slower).
+__attribute__((noinline)) void scores_from_codes(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n, int d,
                               const float* q, int G, float* s) {
 #if KV_AVX512
   if (d == 64) fused_scores_d<64>(r, b, h, rows, row0, n, q, G, s);
@@ -199,7 +210,7 @@ inline void scores_from_codes(const Run& r, int64_t b, int64_t h, const int64_t*
 #endif
 }
 
-inline void accumulate_from_codes(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
+__attribute__((noinline)) void accumulate_from_codes(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
                                   int d, const float* p, int G, float* acc) {
 #if KV_AVX512
   if (d == 64) fused_accumulate_d<64>(r, b, h, rows, row0, n, p, G, acc);

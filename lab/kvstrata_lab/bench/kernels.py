@@ -22,7 +22,8 @@ from kvstrata.read.kernels import cpu
 from kvstrata_lab.bench.results import ReportInput, read_jsonl
 
 # (query heads, KV heads, head_dim) of the real models
-SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256)}
+SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256), "qwen2.5-coder-0.5b": (14, 2, 64),
+          "qwen2.5-coder-1.5b": (12, 2, 128)}
 CODECS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0")
 LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
 

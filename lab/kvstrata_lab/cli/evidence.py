@@ -94,7 +94,8 @@ def register(sub) -> None:
     kb.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536",
                     help="comma-separated cached tokens")
     kb.add_argument("--shapes", default="smollm2-135m,gemma3-270m",
-                    help="whose head shapes: smollm2-135m, gemma3-270m")
+                    help="whose head shapes: smollm2-135m, gemma3-270m, "
+                         "qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
     kb.add_argument("--repeats", type=int_in(1, 1000), default=9,
                     help="timed runs per point (the median is kept)")
     kb.add_argument("--out", default="docs/results/kernels")
