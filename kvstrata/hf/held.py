@@ -118,4 +118,4 @@ def install(layer: CompressedLayer, parts: list[Held], seen: int, like: torch.Te
     tail = next((p.tail for p in parts if p.tail is not None), None)
     if tail is not None:
         layer.keys, layer.values = (_own(t.to(like.dtype)) for t in tail)
-    layer.cumulative_length = seen
+    layer.installed(seen)

@@ -10,11 +10,14 @@ held. Sliding-window layers keep only their window.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.codecs.transform import IDENTITY, Fitted
+from kvstrata.hf.phase import DECODE, DUE, EMPTY, PREFILL, Phase
 from kvstrata.hf.segments import (
     APPEND_ROWS,
     COMPACT_ROWS,
@@ -41,19 +44,38 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, recipe: StoreRecipe, **kwargs):
         super().__init__()
         self.recipe = recipe
+        self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The state of a layer that holds nothing (`__init__` and `reset` both start from it)."""
         self.segments: list[Segment] = []
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V of the oldest tokens, bf16
         self.fitted: Fitted | None = None  # the key transforms and their state, set by the first flush
+        self.keys = self.values = None
+        self.is_initialized = False
         self.cumulative_length = 0
-        self.known_until = 0  # positions below this are already held (bounded replay): not appended again
-        self.rebuilding = False  # a sliding layer after `start_replay`: its next append is its prefill
-        self.generation = 0  # bumped whenever held rows are rewritten rather than appended to
+        self.phase = Phase()
         # (generation, n): the last update's K/V began with n rows from encoded storage
-        self.read_prefix = (0, 0)
-        # the prefill waits in full precision for the attention hook's keep scores (`finish_keep`)
-        self.pending_keep = False
-        self.at_prefill = False  # the next flush encodes the prefill (its last key group may be ragged)
-        self.deferred = False  # an append left its flush to `flush_many`
+        self.read_prefix = (self.generation, 0)
+
+    def _set(self, kind: str) -> None:
+        self.phase = replace(self.phase, kind=kind)
+
+    def installed(self, seen: int) -> None:
+        """Filled from outside (`held.install`) as having seen `seen` tokens: the next append continues."""
+        self.cumulative_length = seen
+        self._set(DECODE if seen else EMPTY)
+
+    @property
+    def pending_keep(self) -> bool:
+        """The prefill waits in full precision for the attention hook's keep scores (`finish_keep`)."""
+        return self.phase.kind == PREFILL
+
+    @property
+    def deferred(self) -> bool:
+        """A decode step left its encoding to `flush_many`."""
+        return self.phase.kind == DUE
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -92,15 +114,14 @@ class CompressedLayer(CacheLayerMixin):
         sequence's new token at once); `deferred` says it is due."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.deferred:  # a step that never reached its end (its forward raised): encode it now
+        if self.phase.kind == DUE:  # a step that never reached its end (its forward raised): encode it now
             self._flush()
-            self.deferred = False
-        if self.pending_keep:
+            self._set(DECODE)
+        if self.phase.kind == PREFILL:
             raise RuntimeError(
                 f"{self.recipe.keep.name} needs the prefill's attention scores, which kvstrata's attention "
                 "gathers (CompressedCache selects it on the model's config); this model attended without it")
-        first = self.cumulative_length == 0 or self.rebuilding
-        self.rebuilding = False
+        first = self.cumulative_length == 0 or self.phase.kind == EMPTY
         view = None
         skip = self._known(key_states.shape[-2])
         if offer and self.reads_views and key_states.shape[-2] == 1 and not first and not skip:
@@ -117,17 +138,17 @@ class CompressedLayer(CacheLayerMixin):
         key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
-        self.at_prefill = first  # the prefill's flush may end on a ragged key group
-        if first and self.needs_scores():  # scored by the attention hook, which calls finish_keep
-            self.pending_keep = True
-        else:
+        if first:  # the prefill's flush may end on a ragged key group
+            self._set(PREFILL)
+        if not (first and self.needs_scores()):  # else scored by the attention hook, which calls finish_keep
             if first:  # the context prefill: the keep policy acts once, after it
                 self._keep(scores=None)
             self._trim()  # first, so tokens already out of a sliding window are never encoded
             if defer and not first:
-                self.deferred = True
+                self._set(DUE)
             else:
                 self._flush()
+                self._set(DECODE)
         # New tokens are attended in full precision now; later steps read them encoded.
         return torch.cat([past_k, attend_k], dim=-2), torch.cat([past_v, attend_v], dim=-2), view
 
@@ -143,10 +164,11 @@ class CompressedLayer(CacheLayerMixin):
         self.generation += 1
         self.cumulative_length = seen
         self.keys, self.values = keys, values
-        self.at_prefill = True
+        self._set(PREFILL)
         self._keep(scores)
         self._trim()  # first, so tokens already out of a sliding window are never encoded
         self._flush()
+        self._set(DECODE)
 
     def needs_scores(self) -> bool:
         """Whether the keep policy scores positions by attention (full-attention layers only)."""
@@ -155,10 +177,10 @@ class CompressedLayer(CacheLayerMixin):
 
     def finish_keep(self, scores: torch.Tensor) -> None:
         """The prefill's observation-window scores `[batch, kv_heads, n]`: keep, then encode."""
-        self.pending_keep = False
         self._keep(scores)
         self._trim()
         self._flush()
+        self._set(DECODE)
 
     def _keep(self, scores: torch.Tensor | None) -> None:
         """Apply the recipe's keep policy to the tail (full-attention layers only)."""
@@ -182,7 +204,7 @@ class CompressedLayer(CacheLayerMixin):
     def appendable(self) -> int:
         """Tokens the next flush encodes when it can only append whole key groups into the last
         segment (a decode step's flush); 0 when that flush would do anything else."""
-        if self.at_prefill or not self.segments or not self.segments[-1].buffers:
+        if self.phase.kind == PREFILL or not self.segments or not self.segments[-1].buffers:
             return 0
         n = self.keys.shape[-2] - self.recipe.r
         return max(0, n - n % self.recipe.key_group)
@@ -190,7 +212,7 @@ class CompressedLayer(CacheLayerMixin):
     def _flush(self) -> None:
         """Encode all but the newest `r` tail tokens (the oldest `sink` stay apart): the prefill's
         flush all of them, its last key group ragged; later flushes in whole key groups."""
-        ragged, self.at_prefill = self.at_prefill, False
+        ragged = self.phase.kind == PREFILL
         self._take_sink()
         group = self.recipe.key_group
         n = self.keys.shape[-2] - self.recipe.r
@@ -257,7 +279,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def _known(self, n: int) -> int:
         """How many of the next `n` tokens are already held (replayed positions)."""
-        return max(0, min(n, self.known_until - self.cumulative_length))
+        return max(0, min(n, self.phase.replay_until - self.cumulative_length))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Held entries sit just before the queries (evicted or windowed-out tokens shift them right),
@@ -274,9 +296,8 @@ class CompressedLayer(CacheLayerMixin):
         are fed again. Full layers keep what they hold and do not append the replayed tokens;
         sliding layers start empty and rebuild their window from the replayed tokens, encoding it as a
         prefill does (a ragged last key group included), so the window is held as a cold run's is."""
-        if not self.is_sliding:
-            self.known_until = self.cumulative_length
-        self.rebuilding = self.is_sliding
+        self.phase = (replace(self.phase, kind=EMPTY) if self.is_sliding
+                      else replace(self.phase, replay_until=self.cumulative_length))
         self.cumulative_length = position
         self.generation += 1
 
@@ -287,12 +308,9 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.segments, self.sink, self.fitted = [], None, None
-        self.keys = self.values = None
-        self.is_initialized = False
-        self.cumulative_length = 0
-        self.pending_keep = self.at_prefill = self.rebuilding = False
+        """Back to holding nothing, as `__init__` leaves it (a pending replay or flush included)."""
         self.generation += 1
+        self._fresh()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
@@ -369,7 +387,7 @@ def flush_many(layers: list[CompressedLayer]) -> None:
             groups.setdefault((layer.recipe, n), []).append(layer)
         else:
             layer._flush()
-        layer.deferred = False
+        layer._set(DECODE)
     for (recipe, n), members in groups.items():
         done = append_many(recipe, [m.segments[-1] for m in members], [m.keys[..., :n, :] for m in members],
                            [m.values[..., :n, :] for m in members])

@@ -224,3 +224,29 @@ def test_a_step_that_raised_is_encoded_by_the_next(tiny_llama):
     assert layer.deferred and encoded() == before + 1 and layer.keys.shape[-2] == 1
     cache.nbytes()  # what the cache holds is counted settled
     assert not layer.deferred and encoded() == before + 2 and layer.keys.shape[-2] == 0
+
+
+@pytest.mark.parametrize("layer_class", [CompressedLayer, CompressedSlidingLayer])
+def test_reset_forgets_a_pending_replay_and_a_pending_flush(layer_class):
+    """`reset` starts from `__init__`'s state: a layer reset midway through a replay once treated the
+    next prompt's first tokens as already held and dropped them (10 of 40 kept, positions saying 40)."""
+    make = (lambda: layer_class(parse_method("nvfp4").full)) if layer_class is CompressedLayer \
+        else (lambda: layer_class(parse_method("nvfp4").full, sliding_window=64))
+    k, v = kv(40, seed=3)
+    layer = make()
+    layer.update(k[..., :30, :], v[..., :30, :])
+    layer.start_replay(20)
+    layer.reset()
+    assert layer.phase == make().phase and layer.cumulative_length == 0
+    layer.update(k, v)
+    fresh = make()
+    fresh.update(k, v)
+    assert layer.stored_tokens() == fresh.stored_tokens() == 40 and layer.get_seq_length() == 40
+    assert all(torch.equal(a, b) for a, b in zip(layer.dense(), fresh.dense()))
+    # a decode step whose encoding was left to `flush_many`, then a reset: nothing of it survives
+    layer.append(k[..., :1, :], v[..., :1, :], offer=False, defer=True)
+    assert layer.deferred
+    layer.reset()
+    assert not layer.deferred and layer.phase == make().phase
+    layer.update(k[..., :5, :], v[..., :5, :])
+    assert layer.stored_tokens() == 5
