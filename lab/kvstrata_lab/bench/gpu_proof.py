@@ -28,6 +28,7 @@ from kvstrata.codecs.qtensor import QTensor  # noqa: E402
 from kvstrata.hf.segments import encode_segment  # noqa: E402
 from kvstrata.methods import parse_method  # noqa: E402
 from kvstrata.read.decode import EncodedView, decode_attention, triton_runs  # noqa: E402
+from kvstrata_lab.bench.kernels import measure_cuda  # noqa: E402
 
 SPECS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0", "int3:r=0", "int4:r=0,keys=token",
          "nvfp4:v=int2", "fp8:v=mxfp4")
@@ -95,8 +96,6 @@ def check(device: str, specs=SPECS, shapes=SHAPES, tokens: int = 192) -> list[di
 
 def timings(lengths=(4096, 16384, 65536), repeats: int = 20) -> list[dict]:
     """`kernels-bench`'s CUDA rows: every codec's Triton kernel against SDPA over a bf16 cache."""
-    from kvstrata_lab.bench.kernels import measure_cuda
-
     shapes = ("smollm2-135m", "gemma3-270m")
     return [row for shape in shapes for n in lengths for row in measure_cuda(shape, n, repeats)]
 
