@@ -4,6 +4,8 @@
 // order, so every score and output equals the buffered path's bit for bit (tests compare them).
 #pragma once
 
+#include <type_traits>
+
 #include "codes.h"
 #include "linalg.h"
 
@@ -169,30 +171,29 @@ inline void fused_scores_g(const Run& r, int64_t b, int64_t h, const int64_t* ro
   }
 }
 
+// f(std::integral_constant<int, KIND>{}) for a fusable run's kind: one switch for every entry point
+template <class F>
+inline void by_kind(int kind, F f) {
+  switch (kind) {
+    case BF16: f(std::integral_constant<int, BF16>{}); break;
+    case FP8: f(std::integral_constant<int, FP8>{}); break;
+    case NVFP4: f(std::integral_constant<int, NVFP4>{}); break;
+    case MXFP4: f(std::integral_constant<int, MXFP4>{}); break;
+    case INT4: f(std::integral_constant<int, INT4>{}); break;
+    default: f(std::integral_constant<int, INT2>{});
+  }
+}
+
 template <int D>
 inline void fused_scores_d(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
                            const float* q, int G, float* s) {
-  switch (r.kind) {
-    case BF16: fused_scores_g<D, BF16>(r, b, h, rows, row0, n, q, G, s); break;
-    case FP8: fused_scores_g<D, FP8>(r, b, h, rows, row0, n, q, G, s); break;
-    case NVFP4: fused_scores_g<D, NVFP4>(r, b, h, rows, row0, n, q, G, s); break;
-    case MXFP4: fused_scores_g<D, MXFP4>(r, b, h, rows, row0, n, q, G, s); break;
-    case INT4: fused_scores_g<D, INT4>(r, b, h, rows, row0, n, q, G, s); break;
-    default: fused_scores_g<D, INT2>(r, b, h, rows, row0, n, q, G, s);
-  }
+  by_kind(r.kind, [&](auto k) { fused_scores_g<D, decltype(k)::value>(r, b, h, rows, row0, n, q, G, s); });
 }
 
 template <int D>
 inline void fused_accumulate_d(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
                                const float* p, int G, float* acc) {
-  switch (r.kind) {
-    case BF16: fused_accumulate_g<D, BF16>(r, b, h, rows, row0, n, p, G, acc); break;
-    case FP8: fused_accumulate_g<D, FP8>(r, b, h, rows, row0, n, p, G, acc); break;
-    case NVFP4: fused_accumulate_g<D, NVFP4>(r, b, h, rows, row0, n, p, G, acc); break;
-    case MXFP4: fused_accumulate_g<D, MXFP4>(r, b, h, rows, row0, n, p, G, acc); break;
-    case INT4: fused_accumulate_g<D, INT4>(r, b, h, rows, row0, n, p, G, acc); break;
-    default: fused_accumulate_g<D, INT2>(r, b, h, rows, row0, n, p, G, acc);
-  }
+  by_kind(r.kind, [&](auto k) { fused_accumulate_g<D, decltype(k)::value>(r, b, h, rows, row0, n, p, G, acc); });
 }
 #endif
 
