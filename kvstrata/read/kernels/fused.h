@@ -57,10 +57,20 @@ struct Chunks {
   }
 };
 
-// s[g * TILE + i] = q_g . row i for the n rows (rows[i], or row0 + i): each row's chunks decoded once
-// for all G heads, summed as dots() sums.
-template <int D, int G, int KIND>
-inline void fused_scores(Chunks<KIND> ch, const int64_t* rows, int64_t row0, int n, const float* q, float* s) {
+// Rows of a tile already decoded to floats (row stride dp), read as Chunks reads codes: the buffered
+// path's scores go through the same loop.
+struct Buffered {
+  const float* base;
+  int dp;
+  const float* k = nullptr;
+  void row(int64_t t) { k = base + t * dp; }
+  __m512 operator()(int j) const { return _mm512_loadu_ps(k + 16 * j); }
+};
+
+// s[g * TILE + i] = q_g . row i for the n rows (rows[i], or row0 + i) of `ch` (Chunks or Buffered):
+// each row's chunks read once for all G heads, summed as dots() sums.
+template <int D, int G, class Src>
+inline void fused_scores(Src ch, const int64_t* rows, int64_t row0, int n, const float* q, float* s) {
   constexpr int C = D / 16;
   alignas(64) float h[G][16 * 8];  // folded sums per head and row of a 16-row block
   for (int i = 0; i < n; i += 16) {
@@ -140,8 +150,9 @@ constexpr bool READS_IN_REGISTERS = false;
 #endif
 
 // Whether a run's rows can be read in registers here: token-major, a head_dim of 64 / 128 / 256, at
-// most 8 query heads per KV head (Qwen2.5's 6 and 7 included), and scale blocks of whole 16-value chunks (a power of two). A build
-// with KV_BUFFERED (`KVSTRATA_KERNEL_ISA=buffered`) never does: the tests compare the two.
+// most 8 query heads per KV head (Qwen2.5's 6 and 7 included), and scale blocks of whole 16-value
+// chunks (a power of two). A build with KV_BUFFERED (`KVSTRATA_KERNEL_ISA=buffered`) never does:
+// the tests compare the two.
 inline bool fusable(const Run& r, int d, int G) {
 #if KV_AVX512
   if (!READS_IN_REGISTERS || r.channel || G > 8 || (d != 64 && d != 128 && d != 256)) return false;
@@ -155,19 +166,17 @@ inline bool fusable(const Run& r, int d, int G) {
 }
 
 #if KV_AVX512
-template <int D, int KIND>
-inline void fused_scores_g(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
-                           const float* q, int G, float* s) {
-  const Chunks<KIND> ch(r, b, h);
+template <int D, class Src>
+inline void fused_scores_g(Src ch, const int64_t* rows, int64_t row0, int n, const float* q, int G, float* s) {
   switch (G) {
-    case 1: fused_scores<D, 1, KIND>(ch, rows, row0, n, q, s); break;
-    case 2: fused_scores<D, 2, KIND>(ch, rows, row0, n, q, s); break;
-    case 3: fused_scores<D, 3, KIND>(ch, rows, row0, n, q, s); break;
-    case 4: fused_scores<D, 4, KIND>(ch, rows, row0, n, q, s); break;
-    case 5: fused_scores<D, 5, KIND>(ch, rows, row0, n, q, s); break;
-    case 6: fused_scores<D, 6, KIND>(ch, rows, row0, n, q, s); break;
-    case 7: fused_scores<D, 7, KIND>(ch, rows, row0, n, q, s); break;
-    default: fused_scores<D, 8, KIND>(ch, rows, row0, n, q, s);
+    case 1: fused_scores<D, 1, Src>(ch, rows, row0, n, q, s); break;
+    case 2: fused_scores<D, 2, Src>(ch, rows, row0, n, q, s); break;
+    case 3: fused_scores<D, 3, Src>(ch, rows, row0, n, q, s); break;
+    case 4: fused_scores<D, 4, Src>(ch, rows, row0, n, q, s); break;
+    case 5: fused_scores<D, 5, Src>(ch, rows, row0, n, q, s); break;
+    case 6: fused_scores<D, 6, Src>(ch, rows, row0, n, q, s); break;
+    case 7: fused_scores<D, 7, Src>(ch, rows, row0, n, q, s); break;
+    default: fused_scores<D, 8, Src>(ch, rows, row0, n, q, s);
   }
 }
 
@@ -187,7 +196,7 @@ inline void by_kind(int kind, F f) {
 template <int D>
 inline void fused_scores_d(const Run& r, int64_t b, int64_t h, const int64_t* rows, int64_t row0, int n,
                            const float* q, int G, float* s) {
-  by_kind(r.kind, [&](auto k) { fused_scores_g<D, decltype(k)::value>(r, b, h, rows, row0, n, q, G, s); });
+  by_kind(r.kind, [&](auto k) { fused_scores_g<D>(Chunks<decltype(k)::value>(r, b, h), rows, row0, n, q, G, s); });
 }
 
 template <int D>
@@ -196,6 +205,21 @@ inline void fused_accumulate_d(const Run& r, int64_t b, int64_t h, const int64_t
   by_kind(r.kind, [&](auto k) { fused_accumulate_g<D, decltype(k)::value>(r, b, h, rows, row0, n, p, G, acc); });
 }
 #endif
+
+// s[g * TILE + i] = q_g . k[i] for every query head of the group over a decoded tile (row stride dp);
+// the same sums as dots() per head.
+__attribute__((noinline)) void dots_group(const float* q, int G, const float* kbuf, int n, int d, int dp, float* s) {
+#if KV_AVX512
+  if (G <= 8 && (d == 64 || d == 128 || d == 256)) {
+    const Buffered src{kbuf, dp};
+    if (d == 64) fused_scores_g<64>(src, nullptr, 0, n, q, G, s);
+    else if (d == 128) fused_scores_g<128>(src, nullptr, 0, n, q, G, s);
+    else fused_scores_g<256>(src, nullptr, 0, n, q, G, s);
+    return;
+  }
+#endif
+  for (int g = 0; g < G; g++) dots(q + g * d, kbuf, n, d, dp, s + g * TILE);
+}
 
 // The tile's scores (s[g * TILE + i]) / value sums (acc[g * d ..]) from a `fusable` run's codes. Kept
 // out of line: inlined, their many instantiations changed how the compiler laid out the buffered

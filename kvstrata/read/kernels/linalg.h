@@ -102,60 +102,6 @@ inline void dots(const float* q, const float* kbuf, int n, int d, int dp, float*
 }
 
 #if KV_AVX512
-// dots() for every query head g < G of the group at once (scores s[g * TILE + i]), head_dim D known
-// at compile time: each key row is loaded once for all heads and the loop over its 16-lane chunks is
-// unrolled. Every (row, head) sum is taken in exactly dots()' order, so the scores are its scores.
-template <int D>
-inline void dots_group_d(const float* q, int G, const float* kbuf, int n, int dp, float* s) {
-  constexpr int C = D / 16;
-  alignas(64) float h[16 * 8];  // one row block's folded sums for one head: 16 rows x 8 lanes
-  for (int i = 0; i < n; i += 16) {
-    const int m = std::min(16, n - i);
-    for (int g = 0; g < G; g++) {
-      const float* qg = q + g * D;
-      __m512 qv[C];
-      for (int c = 0; c < C; c++) qv[c] = _mm512_loadu_ps(qg + 16 * c);
-      const float* k = kbuf + (int64_t)i * dp;
-      for (int j = 0; j < 16; j++, k += dp) {
-        if (j >= m) {
-          _mm256_store_ps(h + 8 * j, _mm256_setzero_ps());
-          continue;
-        }
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int c = 1; c < C; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);
-        _mm256_store_ps(h + 8 * j, _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
-      }
-      __m256 hv[16];
-      for (int j = 0; j < 16; j++) hv[j] = _mm256_load_ps(h + 8 * j);
-      float* sg = s + g * TILE + i;
-      if (m == 16) {
-        _mm256_storeu_ps(sg, hsum8(hv));
-        _mm256_storeu_ps(sg + 8, hsum8(hv + 8));
-      } else {
-        float out[16];
-        _mm256_storeu_ps(out, hsum8(hv));
-        _mm256_storeu_ps(out + 8, hsum8(hv + 8));
-        std::memcpy(sg, out, sizeof(float) * m);
-      }
-    }
-  }
-}
-#endif
-
-// s[g * TILE + i] = q_g . k[i] for every query head of the group (q[g * d ..]); the same sums as dots().
-inline void dots_group(const float* q, int G, const float* kbuf, int n, int d, int dp, float* s) {
-#if KV_AVX512
-  switch (d) {
-    case 64: dots_group_d<64>(q, G, kbuf, n, dp, s); return;
-    case 128: dots_group_d<128>(q, G, kbuf, n, dp, s); return;
-    case 256: dots_group_d<256>(q, G, kbuf, n, dp, s); return;
-    default: break;
-  }
-#endif
-  for (int g = 0; g < G; g++) dots(q + g * d, kbuf, n, d, dp, s + g * TILE);
-}
-
-#if KV_AVX512
 // acc[0..16R) += sum_i p[i] * v[i][0..16R): R output registers stay put over the rows.
 template <int R>
 inline void accumulate_cols(const float* p, const float* vbuf, int n, int dp, float* acc) {
