@@ -437,3 +437,45 @@ def test_vllm_bench(capsys, tmp_path):
     assert ours["pooled_layers"] == [] and ours["pool_bytes_per_token"] == 0  # no sliding layers: none pooled
     assert "kvstrata, nvfp4" in (out / "README.md").read_text()
     assert (tmp_path / "work" / "vllm-bench-vllm" / ".kvstrata-vllm-bench").exists()
+
+
+@pytest.fixture(scope="module")
+def ced_dir(tmp_path_factory):
+    """tiny Llama as an encoder-decoder: `kvstrata retrofit`'s documented flags at a tiny size."""
+    out = tmp_path_factory.mktemp("ced") / "tiny"
+    assert main(shlex.split(f"retrofit --model tiny-llama --out {out} --texts 2 --heldout 1 --length 2048 "
+                            "--n-win 64 --distill-minutes 0.02")) == 0
+    return out
+
+
+def test_retrofit(capsys, tmp_path, ced_dir):
+    report = json.loads((ced_dir / "ced.json").read_text())
+    assert (report["split"], report["n_win"]) == (2, 64) and len(report["key_error"]) == 2
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(("There and back again. " * 40)[:700])
+    err = run(capsys, f"generate --model {ced_dir} --prompt-file {prompt} --max-new-tokens 4 --method nvfp4",
+              "err")
+    assert "[nvfp4] context 70" in err  # 700 bytes (a token each): two chunks wait for the decoder
+
+
+@pytest.mark.parametrize("argv, words", [
+    ("--split 4", "split must be a layer in [1, 3]"), ("--n-win 0", "--n-win: must be in"),
+    ("--distill-minutes -1", "--distill-minutes: must be in"),
+])
+def test_retrofit_refuses_a_bad_plan_in_one_line(capsys, tmp_path, argv, words):
+    try:
+        code = main(shlex.split(f"retrofit --model tiny-llama --out {tmp_path / 'x'} {argv}"))
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+def test_retrofit_eval(capsys, tmp_path, ced_dir):
+    argv = f"--model tiny-llama --ced {ced_dir} --out {tmp_path} --n 2 --length 1024 --timing 300"
+    out = run(capsys, f"retrofit-eval {argv}")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["answers"]["n"] == 2 and len(result["attention_error"]) == 2
+    assert result["prefill"][0]["tokens"] == 300 and '"ratio"' in out
+    assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == 2

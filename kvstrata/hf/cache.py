@@ -18,6 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvstrata.hf.attention import enter_scope, offer, offer_keep, reads_encoded
 from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer, flush_many
+from kvstrata.hf.projected import ProjectedLayer, ced_plan, check_ced_method
 from kvstrata.methods import MethodSpec, parse_method
 
 
@@ -60,6 +61,8 @@ def check_fits_model(spec: MethodSpec, config) -> list[tuple[str, int | None]]:
         t.check(heads, dim)
     for read in {r.read for r in spec.recipes() if r.read is not None}:
         read.check(dim)
+    if ced_plan(text) is not None:
+        check_ced_method(spec)
     return classes
 
 
@@ -87,6 +90,13 @@ class CompressedCache(Cache):
             layers.append(CompressedSlidingLayer(recipe, window) if sliding else CompressedLayer(recipe))
         if self.method.full.depth:
             self._group_depth(layers, classes)
+        #: an encoder-decoder model's (split, n_win): its decoder layers hold projected + own K/V
+        self.ced = ced_plan(self.text_config)
+        if self.ced is not None:
+            split, n_win = self.ced
+            layers[split:] = [ProjectedLayer(layer, n_win) for layer in layers[split:]]
+        #: an encoder-decoder's (first position, encoder output rows) its decoder has not run over yet
+        self.pending: tuple[int, torch.Tensor] | None = None
         super().__init__(layers=layers)
 
     def _group_depth(self, layers: list, classes) -> None:
@@ -173,6 +183,9 @@ class CompressedCache(Cache):
     ) -> None:
         """Fill from a prefilled dense cache: per layer `(keys, values, tokens_seen)`, optional
         per-layer keep scores `[batch, kv_heads, n]` and probe queries `[batch, q_heads, w, head_dim]`."""
+        if self.ced is not None:
+            raise ValueError("an encoder-decoder's cache is filled by its own forward passes (the decoder's "
+                             "K/V are projected), not from a dense prefill")
         if len(layers) != len(self.layers):
             raise ValueError(f"load_prefill got {len(layers)} layers, the model has {len(self.layers)}")
         for i, (layer, (k, v, seen)) in enumerate(zip(self.layers, layers)):

@@ -106,12 +106,13 @@ class CompressedLayer(CacheLayerMixin):
         keys, values, _ = self.append(key_states, value_states, offer=False)
         return keys, values
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, offer: bool, defer: bool = False):
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, offer: bool, defer: bool = False,
+               attend: bool = True):
         """Append new K/V -> (K, V, view). With `offer` (the cache's attention reads encoded views) a
         decode step returns only the full-precision tail + the new tokens and the encoded part as
         `view` (no dense copy is made); otherwise everything held + the new tokens, and None. With
         `defer` a decode step leaves its encoding to `flush_many` (a batched step encodes every
-        sequence's new token at once); `deferred` says it is due."""
+        sequence's new token at once); `deferred` says it is due. Without `attend`: (None, None, None)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.phase.kind == DUE:  # a step that never reached its end (its forward raised): encode it now
@@ -124,10 +125,10 @@ class CompressedLayer(CacheLayerMixin):
         first = self.cumulative_length == 0 or self.phase.kind == EMPTY
         view = None
         skip = self._known(key_states.shape[-2])
-        if offer and self.reads_views and key_states.shape[-2] == 1 and not first and not skip:
+        if attend and offer and self.reads_views and key_states.shape[-2] == 1 and not first and not skip:
             view, past_k, past_v = self.view(), self.keys, self.values
             self.read_prefix = (self.generation, view.tokens)
-        else:
+        elif attend:  # else nothing is read back
             past_k, past_v = self.dense()
             if skip:  # a replay: the positions before the chunk as held, the chunk's own K/V as computed
                 past_k, past_v = (t[..., :self.cumulative_length, :] for t in (past_k, past_v))
@@ -149,15 +150,14 @@ class CompressedLayer(CacheLayerMixin):
             else:
                 self._flush()
                 self._set(DECODE)
-        # New tokens are attended in full precision now; later steps read them encoded.
+        if not attend:
+            return None, None, None
+        # New tokens are attended in full precision now; later steps read them encoded
         return torch.cat([past_k, attend_k], dim=-2), torch.cat([past_v, attend_v], dim=-2), view
 
-    def load_prefill(
-        self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores: torch.Tensor | None = None
-    ):
-        """Fill an empty layer from a prefilled context: `keys, values: [batch, kv_heads, n, head_dim]`
-        (what a dense cache holds after `seen` tokens), `scores: [batch, kv_heads, n]` for keep
-        policies that need attention. Equivalent to `update` with the whole context."""
+    def load_prefill(self, keys: torch.Tensor, values: torch.Tensor, seen: int, scores=None):
+        """Fill an empty layer from a prefilled context (`update` with the whole context): `keys, values:
+        [batch, kv_heads, n, head_dim]` after `seen` tokens, keep policies' `scores: [batch, kv_heads, n]`."""
         if self.cumulative_length:
             raise RuntimeError("load_prefill needs an empty layer")
         self.lazy_initialization(keys, values)

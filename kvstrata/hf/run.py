@@ -23,7 +23,12 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int = 1,
+#: `logits_to_keep` asking for no logits (a prefill chunk whose logits would be thrown away): an
+#: encoder-decoder model then leaves its decoder's rows for the pass that asks (`kvstrata.models.ced`)
+NO_LOGITS = torch.empty(0, dtype=torch.long)
+
+
+def forward(model, input_ids: torch.Tensor, cache, logits_to_keep: int | torch.Tensor = 1,
             position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One forward pass appending `input_ids: [batch, tokens]` to `cache`; logits of the last
     `logits_to_keep` positions: `[batch, logits_to_keep, vocab]`. `position_ids` override the
@@ -145,7 +150,7 @@ def prefill_chunked(model, cache, ids: torch.Tensor, chunk: int = PREFILL_CHUNK)
     if chunk < 1:
         raise ValueError(f"prefill chunk must be >= 1 token, got {chunk}")
     for start in range(0, ids.shape[1], chunk):
-        forward(model, ids[:, start : start + chunk], cache)
+        forward(model, ids[:, start : start + chunk], cache, logits_to_keep=NO_LOGITS)
         _TRIM(0)
 
 
@@ -166,11 +171,11 @@ def generate(model, tokenizer, prompt_ids: torch.Tensor, method: str | MethodSpe
     spans = [(0, n)] if keeps or prefill_chunk is None else prefill_spans(n, prefill_chunk, block)
     with torch.inference_mode(), reading(model, cache, spec):
         for a, b in spans:
-            logits = forward(model, prompt_ids[:, a:b], cache)[:, -1]
+            logits = forward(model, prompt_ids[:, a:b], cache, logits_to_keep=1 if b == n else NO_LOGITS)
             if sealed_at(b, n, block):  # never the last span's end (the prompt's last token)
                 seal(cache, block)
             _TRIM(0)
-    new, rows = decode_steps(model, cache, logits, max_new_tokens, spec, stop=eos_ids(model))
+    new, rows = decode_steps(model, cache, logits[:, -1], max_new_tokens, spec, stop=eos_ids(model))
     top = rows.float().topk(2, dim=-1).values
     cache.shrink()  # rows reserved for further decode steps are not part of what the cache stores
     seen = cache.get_seq_length()

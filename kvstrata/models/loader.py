@@ -21,8 +21,10 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvstrata.hf.cache import check_fits_model
+from kvstrata.hf.projected import ced_plan
 from kvstrata.methods import MethodSpec, check_store, parse_method, render_recipe
 from kvstrata.models.catalog import KNOWN_MODELS, TINY_MODELS, unknown_model
+from kvstrata.models.ced.store import wrap
 from kvstrata.models.tiny import save_tiny, tiny_config
 from kvstrata.settings import DTYPES
 
@@ -45,7 +47,7 @@ def converted_path(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
-def _install(target: Path, write: Callable[[Path], str]) -> Path:
+def install_dir(target: Path, write: Callable[[Path], str]) -> Path:
     """Fill `target` atomically: `write(tmp)` fills a temporary directory and returns the completion
     mark's text; the directory then replaces `target`, so a half-written copy is never used."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +85,7 @@ def _convert(name: str) -> Path:
         tok.save_pretrained(tmp)
         return _mark(gguf)
 
-    return _install(converted_path(name), write)
+    return install_dir(converted_path(name), write)
 
 
 def is_converted(name: str) -> bool:
@@ -125,7 +127,7 @@ def _tiny(name: str) -> Path:
         save_tiny(tmp, arch)
         return stamp
 
-    return _install(target, write)
+    return install_dir(target, write)
 
 
 def check(name_or_path: str) -> None:
@@ -171,6 +173,8 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = torch.float3
     path = resolve(str(name_or_path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
     model.eval()
+    if ced_plan(model.config.get_text_config(decoder=True)) is not None:
+        return wrap(model, path)  # an encoder-decoder directory (`kvstrata.models.ced.store`)
     return model
 
 
@@ -185,11 +189,22 @@ def check_method(name_or_path: str, text: str, store: bool = False) -> MethodSpe
     spec = parse_method(text)
     if store:
         check_store(spec)
-    classes = check_fits_model(spec, load_config(name_or_path))
+    config = load_config(name_or_path)
+    if store and ced_plan(config.get_text_config(decoder=True)) is not None:
+        raise ValueError(f"{name_or_path} is an encoder-decoder (kvstrata retrofit): the persistent store "
+                         "does not hold its decoder's K/V yet")
+    classes = check_fits_model(spec, config)
     if spec.sliding != spec.full and not any(c == "sliding" for c, _ in classes):
         print(f"kvstrata: warning: {text!r} gives sliding-window layers a recipe of their own, but "
               f"{name_or_path} has none: every layer runs {render_recipe(spec.full)!r}", file=sys.stderr)
     return spec
+
+
+def refuse_encoder_decoder(name_or_path: str, what: str) -> None:
+    """One clear line where a command cannot run an encoder-decoder directory yet (from its config)."""
+    if ced_plan(load_config(name_or_path).get_text_config(decoder=True)) is not None:
+        raise ValueError(f"{name_or_path} is an encoder-decoder (kvstrata retrofit): {what} does not run "
+                         "one yet (kvstrata generate does)")
 
 
 def load_tokenizer(name_or_path: str | Path):

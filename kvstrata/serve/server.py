@@ -8,6 +8,7 @@ import sys
 import time
 
 from kvstrata.models import check_method, load
+from kvstrata.models.loader import refuse_encoder_decoder
 from kvstrata.place.config import StoreConfig
 from kvstrata.serve.app import Runtime, create_app
 from kvstrata.serve.auth import APIKeys
@@ -49,6 +50,7 @@ def build(cfg: ServeConfig):
     store_cfg = StoreConfig.load(cfg.store_config or None)
     keys = APIKeys.from_file(cfg.api_key_file)
     check_method(cfg.model, cfg.method, store=cfg.use_store)
+    refuse_encoder_decoder(cfg.model, "kvstrata serve")
     check_address(cfg.host, cfg.port)
     store = WriteBehindStore.open(store_cfg, int(cfg.memory_global_gb * 2**30)) if cfg.use_store else None
     model, tok = load(cfg.model, cfg.dtype)

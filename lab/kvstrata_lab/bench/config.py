@@ -91,3 +91,34 @@ class RecallConfig:
     seed: int = 0
     haystack: str = "noise"
     threads: int = 2
+
+
+# `kvstrata retrofit` / `retrofit-eval` (kvstrata_lab.bench.retrofit)
+@dataclass(frozen=True)
+class RetrofitConfig:
+    model: str
+    out: Path
+    split: int | None = None  # first decoder layer (None: half the depth)
+    n_win: int = 128  # positions the decoder runs over (its own K/V window)
+    length: int = 2048  # tokens per calibration text
+    texts: int = 24  # calibration texts fitted on
+    heldout: int = 2  # calibration texts the errors are measured on (never fitted on)
+    ridge: float = 1e-4  # of the normal equations' mean diagonal
+    distill_minutes: float = 10.0  # then distil the projections against the original's logits (0: skip)
+    lr: float = 1e-3  # the distillation's Adam step
+    dtype: str = "float32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    model: str  # the original
+    ced: Path  # its encoder-decoder directory
+    out: Path
+    length: int = 4096
+    tasks: tuple[str, ...] = ("report",)
+    n: int = 100
+    timing: tuple[int, ...] = (2048, 4096, 8192)
+    repeats: int = 3
+    dtype: str = "float32"
+    seed: int = 0

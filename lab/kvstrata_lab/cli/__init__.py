@@ -8,6 +8,7 @@ from kvstrata_lab.cli import (
     bench,
     evidence,
     passkey,
+    retrofit,
     serve_batch,
     serve_bench,
     soak,
@@ -16,7 +17,8 @@ from kvstrata_lab.cli import (
     vllm_bench,
 )
 
-MODULES = (passkey, bench, tune, evidence, sparse_recall, serve_bench, serve_batch, soak, vllm_bench)
+MODULES = (passkey, bench, tune, evidence, sparse_recall, serve_bench, serve_batch, soak, vllm_bench,
+           retrofit)
 
 
 def register(sub) -> None:
