@@ -43,6 +43,11 @@ def check_ced_method(spec) -> None:
                 )
 
 
+def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[1, 1, queries, keys]`: 0 where `seen: [queries, keys]` holds, the dtype's lowest elsewhere."""
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
+
+
 class ProjectedLayer(CacheLayerMixin):
     """Projected K/V for every position (`inner`) + the layer's own K/V for the newest `n_win`."""
 
@@ -106,8 +111,7 @@ class ProjectedLayer(CacheLayerMixin):
         seen = torch.cat([p < bound, (o >= bound) & (o <= t)], dim=1)
         if self.sliding_window is not None:
             seen &= (t - torch.cat([p, o], dim=1)) < self.sliding_window
-        out = torch.zeros(seen.shape, dtype=dtype)
-        return out.masked_fill_(~seen, torch.finfo(dtype).min)[None, None]
+        return additive_mask(seen, dtype)
 
     def append(
         self, key_states: torch.Tensor, value_states: torch.Tensor, offer: bool = False, defer: bool = False

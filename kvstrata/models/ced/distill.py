@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvstrata.models.ced.model import Projections, rms, rotate
+from kvstrata.hf.projected import additive_mask
+from kvstrata.models.ced.model import Projections, head_logits, rms, rope_tables, rotate
 
 
 @dataclass
@@ -44,10 +45,6 @@ class _Splice:
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args, **kwargs):
         pk, pv = self.before[layer_idx]
         return torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
-
-
-def _rope(model, h: torch.Tensor, pos: torch.Tensor, kind: str, typed: bool):
-    return model.model.rotary_emb(h, pos, kind) if typed else model.model.rotary_emb(h, pos)
 
 
 def teacher(model, ids: torch.Tensor, split: int, n_win: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,15 +72,13 @@ def student_logits(
     window = getattr(text, "sliding_window", None)
     t = torch.arange(q0, n).unsqueeze(1)
     j = torch.arange(n).unsqueeze(0)
-    ropes, masks = {}, {}
-    for kind in set(types[split:]):
-        ropes[kind] = _rope(model, h, pos, kind, typed)
+    kinds = set(types[split:])
+    ropes, masks = rope_tables(model.model.rotary_emb, h, pos, kinds, typed), {}
+    for kind in kinds:
         seen = j <= t
         if kind == "sliding_attention" and window:
             seen &= (t - j) < window
-        masks[kind] = torch.zeros(seen.shape, dtype=h.dtype).masked_fill_(~seen, torch.finfo(h.dtype).min)[
-            None, None
-        ]
+        masks[kind] = additive_mask(seen, h.dtype)
     for idx, i in enumerate(range(split, len(model.model.layers))):
         k, v = proj(x, idx)
         cos, sin = ropes[types[i]]
@@ -100,12 +95,6 @@ def student_logits(
             cache=splice,
         )
     return head_logits(model, model.model.norm(y))
-
-
-def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    logits = model.lm_head(hidden)
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def distill(

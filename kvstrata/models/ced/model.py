@@ -42,6 +42,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + turned * sin
 
 
+def rope_tables(rotary, h: torch.Tensor, pos: torch.Tensor, kinds: set[str], typed: bool) -> dict:
+    """Per layer type, the (cos, sin) at `pos` (Gemma-3's rotary embedding takes the layer type)."""
+    return {t: rotary(h, pos, t) if typed else rotary(h, pos) for t in kinds}
+
+
+def head_logits(base, hidden: torch.Tensor) -> torch.Tensor:
+    """The causal LM's head over final (normed) hidden states, softcapped where the model says so."""
+    logits = base.lm_head(hidden)
+    cap = getattr(base.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 class Projections(nn.Module):
     """One linear map per decoder layer: `rms(H(split))` -> that layer's pre-RoPE K and V."""
 
@@ -106,10 +118,7 @@ class CEDModel(nn.Module):
         self.base.set_attn_implementation(name)
 
     def _rope(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
-        rotary = self.inner.rotary_emb
-        if self._typed_rope:
-            return {t: rotary(h, pos, t) for t in set(self._types)}
-        return {t: rotary(h, pos) for t in set(self._types)}
+        return rope_tables(self.inner.rotary_emb, h, pos, set(self._types), self._typed_rope)
 
     def forward(
         self,
@@ -190,11 +199,7 @@ class CEDModel(nn.Module):
                 use_cache=True,
             )
         cache.settle()
-        h = self.inner.norm(h[:, -need:][:, pick])
-        logits = self.base.lm_head(h)
-        cap = getattr(self.text_config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+        logits = head_logits(self.base, self.inner.norm(h[:, -need:][:, pick]))
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
 
