@@ -145,7 +145,7 @@ def distill(
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             if progress is not None:
                 progress(time.perf_counter() - t0)
     finally:
