@@ -54,16 +54,16 @@ class Normal:
 
     xtx: torch.Tensor
     xty: torch.Tensor
-    yty: torch.Tensor
-    n: int = 0
+
+    @classmethod
+    def empty(cls, inputs: int, outputs: int) -> "Normal":
+        return cls(torch.zeros(inputs + 1, inputs + 1, dtype=torch.float64),
+                   torch.zeros(inputs + 1, outputs, dtype=torch.float64))
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         x = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], dim=1)
-        y = y.double()
         self.xtx += x.T @ x
-        self.xty += x.T @ y
-        self.yty += (y * y).sum(0)
-        self.n += x.shape[0]
+        self.xty += x.T @ y.double()
 
     def solve(self, ridge: float) -> torch.Tensor:
         """`[hidden + 1, outputs]`: the weights (bias last) that minimise the summed squared error."""
@@ -76,11 +76,7 @@ def solve_least_squares(
     x: torch.Tensor, y: torch.Tensor, ridge: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight `[outputs, inputs]`, bias `[outputs]`) of `y ≈ x @ W.T + b`, as the fit computes it."""
-    eq = Normal(
-        torch.zeros(x.shape[1] + 1, x.shape[1] + 1, dtype=torch.float64),
-        torch.zeros(x.shape[1] + 1, y.shape[1], dtype=torch.float64),
-        torch.zeros(y.shape[1], dtype=torch.float64),
-    )
+    eq = Normal.empty(x.shape[1], y.shape[1])
     eq.add(x, y)
     w = eq.solve(ridge)
     return w[:-1].T, w[-1]
@@ -112,14 +108,7 @@ def fit_projections(
     hidden, kv_heads, dim, n_layers = decoder_shape(model.config)
     layers = model.model.layers
     outs = 2 * kv_heads * dim
-    eqs = [
-        Normal(
-            torch.zeros(hidden + 1, hidden + 1, dtype=torch.float64),
-            torch.zeros(hidden + 1, outs, dtype=torch.float64),
-            torch.zeros(outs, dtype=torch.float64),
-        )
-        for _ in range(split, n_layers)
-    ]
+    eqs = [Normal.empty(hidden, outs) for _ in range(split, n_layers)]
     seen = 0
     for ids in fit_ids:
         inputs = layer_inputs(model, ids, split)

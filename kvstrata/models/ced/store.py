@@ -25,15 +25,18 @@ WEIGHTS = "ced.safetensors"
 REPORT = "ced.json"
 
 
-def check_plan(config, split: int, n_win: int) -> None:
-    """Refuse a split that leaves the encoder or the decoder empty, or a window under one token."""
+def check_plan(config, split: int | None, n_win: int) -> int:
+    """The split (None: half the depth), refused where it leaves the encoder or the decoder empty, or
+    the window is under one token."""
     layers = config.get_text_config(decoder=True).num_hidden_layers
+    split = layers // 2 if split is None else split
     if not 1 <= split <= layers - 1:
         raise ValueError(
             f"split must be a layer in [1, {layers - 1}] (the model has {layers} layers), got {split}"
         )
     if n_win < 1:
         raise ValueError(f"n_win must be >= 1 token, got {n_win}")
+    return split
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -49,9 +49,7 @@ def calibration_ids(tok, length: int, count: int, first: int = 0, seed: int = 0)
 def retrofit(cfg: RetrofitConfig) -> dict:
     """Fit the projections and write the encoder-decoder directory to `cfg.out`; the fit's report."""
     model, tok = load(cfg.model, cfg.dtype)
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    split = cfg.split if cfg.split is not None else layers // 2
-    check_plan(model.config, split, cfg.n_win)
+    split = check_plan(model.config, cfg.split, cfg.n_win)
     fit_ids = calibration_ids(tok, cfg.length, cfg.texts, 0, cfg.seed)
     held_ids = calibration_ids(tok, cfg.length, cfg.heldout, cfg.texts, cfg.seed)
     t0 = time.perf_counter()

@@ -115,9 +115,7 @@ def run_fit(args) -> int:
     from kvstrata_lab.bench.retrofit import retrofit
 
     model_name(args.model)
-    config = load_config(args.model)
-    layers = config.get_text_config(decoder=True).num_hidden_layers
-    check_plan(config, args.split if args.split is not None else layers // 2, args.n_win)
+    check_plan(load_config(args.model), args.split, args.n_win)
     out = writable_dir(args.out, "--out")
     if out.exists() and any(out.iterdir()) and not (out / "ced.json").is_file():
         raise ValueError(f"--out {out}: exists and is not an encoder-decoder directory; name a new one")
