@@ -458,8 +458,20 @@ def test_retrofit(capsys, tmp_path, ced_dir):
     assert "[nvfp4] context 70" in err  # 700 bytes (a token each): two chunks wait for the decoder
 
 
+def test_chat_on_an_encoder_decoder(capsys, tmp_path):
+    """The store keeps an encoder-decoder's H(split) (`--store-as hidden`): a chat's later turns hit."""
+    out_dir = tmp_path / "ced"
+    assert main(shlex.split(f"retrofit --model tiny-llama --out {out_dir} --texts 2 --heldout 1 --length 512 "
+                            "--n-win 32 --distill-minutes 0 --store-as hidden")) == 0
+    assert json.loads((out_dir / "config.json").read_text())["kvstrata_ced"]["store"] == "hidden"
+    out = run(capsys, f"chat --model {out_dir} --script {TURNS} --max-new-tokens 4 --method nvfp4")
+    kinds = [line.split()[2] for line in out.splitlines() if line.startswith("[turn")]
+    assert kinds[0] == "miss" and set(kinds[1:]) == {"hit"}
+
+
 @pytest.mark.parametrize("argv, words", [
     ("--split 4", "split must be a layer in [1, 3]"), ("--n-win 0", "--n-win: must be in"),
+    ("--store-as both", "--store-as: invalid choice"),
     ("--distill-minutes -1", "--distill-minutes: must be in"),
 ])
 def test_retrofit_refuses_a_bad_plan_in_one_line(capsys, tmp_path, argv, words):
@@ -479,3 +491,8 @@ def test_retrofit_eval(capsys, tmp_path, ced_dir):
     assert result["answers"]["n"] == 2 and len(result["attention_error"]) == 2
     assert result["prefill"][0]["tokens"] == 300 and '"ratio"' in out
     assert len((tmp_path / "answers.jsonl").read_text().splitlines()) == 2
+    store = {row["store"]: row for row in result["store"]}  # the store's evidence, both ways, at nvfp4
+    assert set(store) == {"projected", "hidden"}
+    assert all(p["hit_equals_cold"] for r in store.values() for p in r["prompts"])
+    assert [p["kind"] for p in store["projected"]["prompts"]] == ["replay", "hit"]  # n_win 64: 16 / 200 more
+    assert store["hidden"]["decoder_bytes_per_token"] < store["projected"]["decoder_bytes_per_token"]

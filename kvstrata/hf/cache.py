@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvstrata.hf.attention import enter_scope, offer, offer_keep, reads_encoded
 from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer, flush_many
-from kvstrata.hf.projected import ProjectedLayer, ced_plan, check_ced_method
+from kvstrata.hf.projected import Hidden, ProjectedLayer, ced_plan, ced_stored, check_ced_method, stored_layer
 from kvstrata.methods import MethodSpec, parse_method
 
 
@@ -95,6 +95,9 @@ class CompressedCache(Cache):
         if self.ced is not None:
             split, n_win = self.ced
             layers[split:] = [ProjectedLayer(layer, n_win) for layer in layers[split:]]
+        #: an encoder-decoder whose store keeps H(split): the rows the decoder half is made from
+        hidden = self.ced is not None and ced_stored(self.text_config) == "hidden"
+        self.hidden = Hidden(self.method.full) if hidden else None
         #: an encoder-decoder's (first position, encoder output rows) its decoder has not run over yet
         self.pending: tuple[int, torch.Tensor] | None = None
         super().__init__(layers=layers)
@@ -147,6 +150,16 @@ class CompressedCache(Cache):
         offer(layer_idx, view)  # every update sets both offers, so none outlives its attention call
         offer_keep(layer_idx, layer if layer.pending_keep else None)
         return keys, values
+
+    def stored_layers(self) -> list[CompressedLayer]:
+        """Every layer's storage as the store's records cut it, `H(split)`'s last (when held)."""
+        return [stored_layer(layer) for layer in self.layers] + ([self.hidden] if self.hidden else [])
+
+    def reset(self) -> None:
+        super().reset()
+        if self.hidden is not None:
+            self.hidden.reset()
+        self.pending = None
 
     def settle(self) -> None:
         """Encode the tokens layers left for the step's end (`update` does it at the last layer)."""

@@ -69,7 +69,7 @@ def seal(cache, block: int) -> None:
     the store's records of it hold, so a prompt continued from here runs as one continued from the
     store: a full-attention layer's full-precision tail is encoded block by block, as `cut` encodes
     a record's; spare rows are given back (an installed layer has none: appends start a segment)."""
-    for layer in cache.layers:
+    for layer in cache.stored_layers():
         if not isinstance(layer, CompressedLayer) or not layer.is_initialized:
             continue
         n = layer.keys.shape[-2]

@@ -291,12 +291,12 @@ class CompressedLayer(CacheLayerMixin):
         stored = self.stored_tokens()
         return stored + query_length, max(0, self.cumulative_length - stored)
 
-    def start_replay(self, position: int) -> None:
-        """A replay: this layer holds (or will rebuild) its tokens; positions from `position`
-        are fed again. Full layers keep what they hold and do not append the replayed tokens;
-        sliding layers start empty and rebuild their window from the replayed tokens, encoding it as a
-        prefill does (a ragged last key group included), so the window is held as a cold run's is."""
-        self.phase = (replace(self.phase, kind=EMPTY) if self.is_sliding
+    def start_replay(self, position: int, rebuild: bool | None = None) -> None:
+        """A replay: positions from `position` are fed again. Full layers keep what they hold and do not
+        append the replayed tokens; sliding layers (or `rebuild`) start empty and rebuild their window
+        from them, encoding it as a prefill does (a ragged last key group included), as a cold run's is."""
+        rebuild = self.is_sliding if rebuild is None else rebuild
+        self.phase = (replace(self.phase, kind=EMPTY) if rebuild
                       else replace(self.phase, replay_until=self.cumulative_length))
         self.cumulative_length = position
         self.generation += 1

@@ -10,6 +10,11 @@ K/V before that (a sliding layer also stops at its window): one softmax over bot
 Each step the model first adds the projected K/V of every new position (`add_projected`), then
 runs the layer over the positions it replays (`prepare`, then `update` through the cache, which
 returns the projected rows followed by the own rows).
+
+What the persistent store keeps of the decoder half (`STORED`, the config's `"store"`): "projected",
+each decoder layer's projected K/V as `inner` holds them, or "hidden", `H(split)` itself (`Hidden`:
+one row per position, encoded with the recipe's value codec) with the projections applied on load;
+the decoder then runs on `H(split)` as decoded, so a hit and a cold run read the same rows.
 """
 
 from __future__ import annotations
@@ -19,14 +24,60 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf.layers import CompressedLayer
+from kvstrata.methods import StoreRecipe
 
 CONFIG_KEY = "kvstrata_ced"  # the model config's field naming an encoder-decoder's split and window
+STORED = ("projected", "hidden")  # what the store keeps of the decoder half (the config's "store")
 
 
 def ced_plan(text_config) -> tuple[int, int] | None:
     """(split, n_win) of an encoder-decoder model's config; None for any other model."""
     plan = getattr(text_config, CONFIG_KEY, None)
     return None if not plan else (int(plan["split"]), int(plan["n_win"]))
+
+
+def ced_stored(text_config) -> str:
+    """What the store keeps of an encoder-decoder's decoder half: "projected" (the default) or "hidden"."""
+    plan = getattr(text_config, CONFIG_KEY, None) or {}
+    stored = plan.get("store", STORED[0])
+    if stored not in STORED:
+        raise ValueError(f"{CONFIG_KEY}.store must be one of {', '.join(STORED)}, got {stored!r}")
+    return stored
+
+
+def stored_layer(layer) -> CompressedLayer:
+    """The `CompressedLayer` that holds what a cache layer stores (a projected layer's `inner`)."""
+    return layer.inner if isinstance(layer, ProjectedLayer) else layer
+
+
+def hidden_recipe(recipe: StoreRecipe) -> StoreRecipe:
+    """How `H(split)` is kept: the recipe's value codec, per token, nothing else."""
+    return StoreRecipe(codec=recipe.value_codec)
+
+
+class Hidden(CompressedLayer):
+    """`H(split)` of every position, encoded with the recipe's value codec (per token, no transforms):
+    one `[batch, 1, n, hidden / 2]` half as keys, the other as values, so records, seals and installs
+    treat it as a full-attention layer of one head."""
+
+    def __init__(self, recipe: StoreRecipe):
+        super().__init__(hidden_recipe(recipe))
+
+    @staticmethod
+    def halves(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        half = h.shape[-1] // 2
+        return h[..., :half].unsqueeze(1), h[..., half:].unsqueeze(1)
+
+    def rows(self, start: int, n: int) -> torch.Tensor:
+        """`H(split)` of positions `[start, start + n)` as held (decoded): `[batch, n, hidden]`."""
+        k, v = (t[:, 0, start : start + n] for t in self.dense())
+        return torch.cat([k, v], dim=-1)
+
+    def hold(self, h: torch.Tensor, start: int) -> torch.Tensor:
+        """Encode the rows of positions from `start` (rows already held, in a replay, are not encoded
+        again) and return them as held."""
+        self.append(*self.halves(h), offer=False, attend=False)
+        return self.rows(start, h.shape[1])
 
 
 def check_ced_method(spec) -> None:
@@ -152,6 +203,12 @@ class ProjectedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.inner.reset()
+        self._fresh()
+
+    def start_replay(self, position: int) -> None:
+        """A replay from `position`: projected K/V held stay (rows already held are not added again;
+        a sliding layer holding none rebuilds its window); the own window starts over."""
+        self.inner.start_replay(position, rebuild=self.inner.stored_tokens() == 0)
         self._fresh()
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -190,9 +190,6 @@ def check_method(name_or_path: str, text: str, store: bool = False) -> MethodSpe
     if store:
         check_store(spec)
     config = load_config(name_or_path)
-    if store and ced_plan(config.get_text_config(decoder=True)) is not None:
-        raise ValueError(f"{name_or_path} is an encoder-decoder (kvstrata retrofit): the persistent store "
-                         "does not hold its decoder's K/V yet")
     classes = check_fits_model(spec, config)
     if spec.sliding != spec.full and not any(c == "sliding" for c, _ in classes):
         print(f"kvstrata: warning: {text!r} gives sliding-window layers a recipe of their own, but "

@@ -172,10 +172,12 @@ def _layer(recipe: StoreRecipe, entry: dict, tensors: dict, i: int, h: int, d: i
 
 
 def unpack(recipes: dict[int, StoreRecipe], tensors: dict, meta: dict, *, kv_heads: int, head_dim: int,
-           dtype: torch.dtype, start: int | None, tokens: int | None) -> dict[int, Held]:
+           dtype: torch.dtype, start: int | None, tokens: int | None,
+           shapes: dict[int, tuple[int, int]] | None = None) -> dict[int, Held]:
     """Record tensors + metadata -> each layer's held parts: layers exactly `recipes`' keys, holding
     positions [start, start + tokens) of full-attention layers, or (`start` None) a sliding window of
-    any size; any inconsistency is a RecordError."""
+    any size; any inconsistency is a RecordError. `shapes`: (heads, dim) of layers not of
+    `(kv_heads, head_dim)` (an encoder-decoder's `H(split)`)."""
     tensors = dict(tensors)
     span = None if start is None else (start, start + tokens)
     try:
@@ -186,8 +188,8 @@ def unpack(recipes: dict[int, StoreRecipe], tensors: dict, meta: dict, *, kv_hea
         layers = doc["layers"]
         if sorted(layers, key=int) != [str(i) for i in sorted(recipes)]:
             raise RecordError(f"record holds layers {sorted(layers, key=int)}, expected {sorted(recipes)}")
-        out = {i: _layer(recipes[i], layers[str(i)], tensors, i, kv_heads, head_dim, dtype, span)
-               for i in recipes}
+        shape = {i: (shapes or {}).get(i, (kv_heads, head_dim)) for i in recipes}
+        out = {i: _layer(recipes[i], layers[str(i)], tensors, i, *shape[i], dtype, span) for i in recipes}
         counts = {held.tokens for held in out.values()}
         if doc["tokens"] != tokens or (tokens is not None and counts != {tokens}):
             raise RecordError(f"record layers hold {sorted(counts)} tokens, expected {tokens}")

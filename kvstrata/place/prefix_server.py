@@ -30,7 +30,8 @@ import torch
 from kvstrata.codecs.transform import Transform
 from kvstrata.hf.cache import CompressedCache, head_dim, layer_classes
 from kvstrata.hf.held import Held, cut, install, seal
-from kvstrata.hf.run import chunk_end, forward, sealed_at, store_boundary
+from kvstrata.hf.projected import ced_plan, ced_stored, hidden_recipe
+from kvstrata.hf.run import NO_LOGITS, chunk_end, forward, sealed_at, store_boundary
 from kvstrata.methods import check_store, parse_method, render
 from kvstrata.names import Retention, ServeKind, TierClass
 from kvstrata.place.block_format import pack, unpack
@@ -152,13 +153,15 @@ class Prefill:
                       computed_tokens=len(self.ids) - self.start, ttft_s=ttft, write_s=self.write_s)
 
     def run(self, model, limit: int | None = None) -> Served:
-        """Feed the rest of the prompt one chunk per forward (one sequence alone)."""
+        """Feed the rest of the prompt one chunk per forward (one sequence alone); only the last chunk
+        asks for logits (an encoder-decoder's decoder runs there, as in `generate`)."""
         while True:
             chunk = self.next_chunk(limit)
-            logits = forward(model, torch.tensor([chunk]), self.cache)[:, -1]
+            last = self.pos + len(chunk) == len(self.ids)
+            logits = forward(model, torch.tensor([chunk]), self.cache, 1 if last else NO_LOGITS)[:, -1:]
             self.fed(len(chunk))
             if self.done:
-                return self.finish(logits)
+                return self.finish(logits[:, -1])
 
 
 class PrefixServer:
@@ -182,16 +185,26 @@ class PrefixServer:
         self.head_dim = head_dim(text)
         self.layers = {kind: [i for i, (c, _) in enumerate(self.classes) if c == cls]
                        for kind, cls in ((TierClass.GLOBAL, "full"), (TierClass.SWA, "sliding"))}
+        #: per layer kept, its recipe and (KV heads, head_dim)
+        self.recipes = {i: self.spec.recipe(c, i) for i, (c, _) in enumerate(self.classes)}
+        self.shapes = {i: (self.kv_heads, self.head_dim) for i in range(len(self.classes))}
+        self.ced = ced_plan(text)  # an encoder-decoder's (split, n_win)
+        self.hidden = self.ced is not None and ced_stored(text) == "hidden"
+        if self.hidden:  # the store keeps H(split), not the decoder layers' K/V: one more "layer"
+            split, L = self.ced[0], len(self.classes)
+            self.layers = {k: [i for i in v if i < split] for k, v in self.layers.items()}
+            self.layers[TierClass.GLOBAL].append(L)
+            self.shapes[L], self.recipes[L] = (1, text.hidden_size // 2), hidden_recipe(self.spec.full)
 
     def _open(self, entry: Entry, klass: TierClass, block: int | None) -> dict[int, Held] | None:
         """A verified record's per-layer held parts (global KV of block `block`, or the sliding
         windows), or None: a record that does not unpack to what these layers hold is counted and
         removed. A record found only in this process's memory is promoted once it unpacks."""
-        recipes = {i: self.spec.recipe(self.classes[i][0], i) for i in self.layers[klass]}
+        recipes = {i: self.recipes[i] for i in self.layers[klass]}
         start, tokens = (None, None) if block is None else (block * self.block, self.block)
         try:
             held = unpack(recipes, *entry.open(), kv_heads=self.kv_heads, head_dim=self.head_dim,
-                          dtype=self.dtype, start=start, tokens=tokens)
+                          dtype=self.dtype, start=start, tokens=tokens, shapes=self.shapes)
         except RecordError:
             entry.reject()
             return None
@@ -222,7 +235,7 @@ class PrefixServer:
                 break  # unusable, or encoded under another transform state than the chain's
             chain.update({i: h for i, h in held.items() if i not in chain and h.fitted is not None})
             records.append(held)
-        cache, start, kind, P = self._install(records, found, sliding)
+        cache, start, kind, P = self._install(records, found, sliding, len(ids))
         Q = max(P, store_boundary(len(ids), self.block))  # where `generate` cuts it too
         pending: dict = {}
 
@@ -240,10 +253,19 @@ class PrefixServer:
         return Prefill(cache=cache, ids=ids, pos=start, kind=kind, reused_tokens=P, t0=t0,
                        boundary=(Q, snapshot) if start < Q else None, block=self.block, write=write)
 
-    def _install(self, records: list[dict[int, Held]], found, sliding: list[int]):
+    def _rewind(self, n: int) -> int:
+        """Where an `n`-token prompt's run must start at the latest: an encoder-decoder that keeps the
+        projected K/V reruns the encoder from the block at or before the decoder's first row (its last
+        `n_win`), which needs `H(split)`; any other model: nowhere before its end."""
+        if self.ced is None or self.hidden:
+            return n
+        return max(0, n - self.ced[1]) // self.block * self.block
+
+    def _install(self, records: list[dict[int, Held]], found, sliding: list[int], n: int):
         """(cache, first position to compute, kind, tokens reused): the records' codes installed as
         held, with the SWA windows when live; a fresh cache (a miss) when there are none -- or when
-        they do not fit together, which unpacking each alone cannot see."""
+        they do not fit together, which unpacking each alone cannot see. An encoder-decoder's
+        decoder layers get `H(split)`'s projections ("hidden") or rerun their window (`_rewind`)."""
         cache = CompressedCache(self.model.config, self.spec)
         if not records:
             return cache, 0, ServeKind.MISS, 0
@@ -252,31 +274,41 @@ class PrefixServer:
         swa = found.swa if len(records) == found.global_blocks else None
         windows = self._open(swa, TierClass.SWA, None) if swa is not None else None
         live = windows is not None or not sliding
-        kind = ServeKind.HIT if live else ServeKind.REPLAY
         start = P if live else max(0, P - self.n_win) // self.block * self.block  # where a cold run cut
-        like = torch.zeros(1, self.kv_heads, 0, self.head_dim, dtype=self.dtype)
+        if self._rewind(n) < start:  # then the windows held at P are not the ones the rerun needs
+            start, live, windows = self._rewind(n), False, None
+        kind = ServeKind.HIT if live else ServeKind.REPLAY
+        layers = cache.stored_layers()
         try:
-            for i, layer in enumerate(cache.layers):
+            for i in (*self.layers[TierClass.GLOBAL], *sliding):
+                heads, dim = self.shapes[i]
+                like = torch.zeros(1, heads, 0, dim, dtype=self.dtype)
                 if i in sliding:
-                    install(layer, [windows[i]] if windows is not None else [], start, like)
+                    install(layers[i], [windows[i]] if windows is not None else [], start, like)
                 else:
-                    install(layer, [r[i] for r in records], P, like)
-                if kind is ServeKind.REPLAY:
-                    layer.start_replay(start)
+                    install(layers[i], [r[i] for r in records], P, like)
         except ValueError:
             return CompressedCache(self.model.config, self.spec), 0, ServeKind.MISS, 0
+        if self.hidden:
+            self.model.project_held(cache, P, self.block)
+        if kind is ServeKind.REPLAY:
+            for layer in (*cache.layers, *([cache.hidden] if cache.hidden is not None else [])):
+                layer.start_replay(start)
+            if self.hidden:  # the decoder's rows pending as the cold run left them at `start`
+                cache.pending = self.model.held_rows(cache, start)
         return cache, start, kind, P
 
     def _snapshot(self, cache: CompressedCache, P: int, Q: int):
         """Records of the new blocks [P, Q) (global KV, cut from the full layers as held) and of
         every sliding layer's window at Q (None without sliding layers)."""
         full, sliding = self.layers[TierClass.GLOBAL], self.layers[TierClass.SWA]
+        layers = cache.stored_layers()
         blocks = {}
         for b in range(P // self.block, Q // self.block):
             lo, hi = b * self.block, (b + 1) * self.block
-            blocks[b] = pack({i: cut(cache.layers[i], lo, hi, encode_tail=True) for i in full}, self.block)
+            blocks[b] = pack({i: cut(layers[i], lo, hi, encode_tail=True) for i in full}, self.block)
         windows = None
         if sliding:
-            windows = pack({i: cut(cache.layers[i], 0, cache.layers[i].stored_tokens(), encode_tail=False)
+            windows = pack({i: cut(layers[i], 0, layers[i].stored_tokens(), encode_tail=False)
                             for i in sliding})
         return blocks, windows

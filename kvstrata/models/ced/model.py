@@ -25,7 +25,8 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvstrata.hf.cache import CompressedCache, head_dim
-from kvstrata.hf.projected import CONFIG_KEY
+from kvstrata.hf.held import seal
+from kvstrata.hf.projected import CONFIG_KEY, STORED, ced_stored
 
 
 def rms(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -161,12 +162,36 @@ class CEDModel(nn.Module):
                 cache=cache,
                 use_cache=True,
             )
+        if cache.hidden is not None:  # the store keeps H(split): the decoder half runs on it as held
+            h = cache.hidden.hold(h, start)
+        self._project(cache, h, rope)
+        return self._decode(cache, h, start, n, logits_to_keep)
+
+    def _project(self, cache: CompressedCache, h: torch.Tensor, rope: dict) -> None:
+        """Add every decoder layer's projected K/V of the rows `h` (RoPE tables at their positions)."""
         x = rms(h)
         for j, i in enumerate(range(self.split, len(self.inner.layers))):
             k, v = self.projections(x, j)
             cos, sin = rope[self._types[i]]
             cache.layers[i].add_projected(rotate(k, cos, sin), v)
-        return self._decode(cache, h, start, n, logits_to_keep)
+
+    @torch.inference_mode()
+    def project_held(self, cache: CompressedCache, upto: int, block: int) -> None:
+        """After `H(split)` of positions `[0, upto)` was installed from the store (`cache.hidden`): the
+        decoder layers' projected K/V made from it block by block, sealed after each block, as the
+        cold run's chunks made them (a prefill chunk limit under `block` would cut them otherwise); the
+        decoder's pending rows as the cold run left them at `upto`."""
+        for a in range(0, upto, block):
+            h = cache.hidden.rows(a, min(block, upto - a))
+            self._project(cache, h, self._rope(h, torch.arange(a, a + h.shape[1]).unsqueeze(0)))
+            seal(cache, block)
+        cache.pending = self.held_rows(cache, upto)
+
+    def held_rows(self, cache: CompressedCache, upto: int) -> tuple[int, torch.Tensor] | None:
+        """The decoder's pending rows as a cold run leaves them at `upto`: `H(split)` of the last
+        `n_win` positions before it, as held."""
+        first = max(0, upto - self.n_win)
+        return (first, cache.hidden.rows(first, upto - first)) if upto else None
 
     def _decode(self, cache: CompressedCache, h: torch.Tensor, start: int, n: int, logits_to_keep):
         """Run the decoder over the rows it owes (or only remember them when no logits are asked)."""
@@ -203,10 +228,14 @@ class CEDModel(nn.Module):
         return CausalLMOutputWithPast(logits=logits, cache=cache)
 
 
-def encoder_decoder(base, projections: Projections, split: int, n_win: int) -> CEDModel:
-    """`base` as an encoder-decoder: its config takes the split and window (so every `CompressedCache`
-    made from it holds projected decoder layers); `base` itself is taken over, not copied."""
-    setattr(base.config.get_text_config(decoder=True), CONFIG_KEY, {"split": split, "n_win": n_win})
+def encoder_decoder(
+    base, projections: Projections, split: int, n_win: int, store: str = STORED[0]
+) -> CEDModel:
+    """`base` as an encoder-decoder: its config takes the split, window and what the store keeps (so
+    every `CompressedCache` made from it holds projected decoder layers); `base` itself is taken over."""
+    plan = {"split": split, "n_win": n_win, "store": store}
+    setattr(base.config.get_text_config(decoder=True), CONFIG_KEY, plan)
+    ced_stored(base.config.get_text_config(decoder=True))  # refused here when unknown
     return CEDModel(base, copy.deepcopy(projections).to(base.dtype), split, n_win).eval()
 
 

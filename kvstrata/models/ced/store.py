@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf.cache import layer_classes
-from kvstrata.hf.projected import CONFIG_KEY, ced_plan
+from kvstrata.hf.projected import CONFIG_KEY, STORED, ced_plan, ced_stored, hidden_recipe
 from kvstrata.hf.segments import probe_segment
 from kvstrata.methods import parse_method
 from kvstrata.models.ced.model import CEDModel, Projections, decoder_shape, encoder_decoder
@@ -46,9 +46,18 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def write(tmp: Path, source: Path, model, proj: Projections, split: int, n_win: int, report: dict) -> str:
+def write(
+    tmp: Path,
+    source: Path,
+    model,
+    proj: Projections,
+    split: int,
+    n_win: int,
+    report: dict,
+    store: str = STORED[0],
+) -> str:
     """Fill `tmp` with the encoder-decoder form of the model in `source` (its files linked or copied,
-    its config naming the split and window); returns the completion mark's text."""
+    its config naming the split, window and what the store keeps); returns the completion mark's text."""
     check_plan(model.config, split, n_win)
     for f in source.iterdir():
         if (
@@ -58,21 +67,26 @@ def write(tmp: Path, source: Path, model, proj: Projections, split: int, n_win: 
         ):
             _link_or_copy(f, tmp / f.name)
     config = model.config.__class__.from_dict(model.config.to_dict())
-    setattr(config.get_text_config(decoder=True), CONFIG_KEY, {"split": split, "n_win": n_win})
+    plan = {"split": split, "n_win": n_win, "store": store}
+    setattr(config.get_text_config(decoder=True), CONFIG_KEY, plan)
+    ced_stored(config.get_text_config(decoder=True))
     config.save_pretrained(tmp)
     save_file(
         {k: v.float().contiguous() for k, v in proj.state_dict().items()},
         str(tmp / WEIGHTS),
         metadata={"split": str(split), "n_win": str(n_win)},
     )
-    (tmp / REPORT).write_text(json.dumps({"split": split, "n_win": n_win, **report}, indent=1))
-    return f"ced split {split} n_win {n_win}"
+    (tmp / REPORT).write_text(
+        json.dumps({"split": split, "n_win": n_win, "store": store, **report}, indent=1)
+    )
+    return f"ced split {split} n_win {n_win} store {store}"
 
 
 def wrap(base, path: Path) -> CEDModel:
     """The encoder-decoder model of a loaded `base` whose directory `path` holds the projections."""
     split, n_win = ced_plan(base.config.get_text_config(decoder=True))
     check_plan(base.config, split, n_win)
+    stored = ced_stored(base.config.get_text_config(decoder=True))
     hidden, kv_heads, dim, layers = decoder_shape(base.config)
     proj = Projections(hidden, kv_heads, dim, layers - split)
     try:
@@ -89,7 +103,7 @@ def wrap(base, path: Path) -> CEDModel:
             f"layers of {2 * kv_heads * dim} outputs expected)"
         )
     proj.load_state_dict(state)
-    return encoder_decoder(base, proj, split, n_win)
+    return encoder_decoder(base, proj, split, n_win, stored)
 
 
 def fit_summary(report) -> dict:
@@ -100,14 +114,14 @@ def fit_summary(report) -> dict:
 def decoder_bytes_per_token(config, split: int, method: str = "bf16") -> dict:
     """What the persistent store would keep per token for the decoder half, both ways, at `method`'s
     full-attention codec: the projected K and V of every full-attention decoder layer (sliding
-    layers' K/V are not kept long), or `H(split)` once (one row of the hidden size, encoded as a K
-    row is) with the projections applied on load."""
+    layers' K/V are not kept long), or `H(split)` once as the store keeps it ("hidden": the value
+    codec, per token, the row's halves as one head's K and V) with the projections applied on load."""
     hidden, kv_heads, dim, _ = decoder_shape(config)
     full = sum(cls == "full" for cls, _ in layer_classes(config)[split:])
     recipe = replace(parse_method(method).full, transforms=())
     tokens = 256
     seg = probe_segment(recipe, kv_heads, dim, tokens)
     projected = full * (held_bytes(seg.keys.parts.values()) + held_bytes(seg.values.parts.values()))
-    row = probe_segment(recipe, 1, hidden, tokens)
-    h = held_bytes(row.keys.parts.values())
+    row = probe_segment(hidden_recipe(recipe), 1, hidden // 2, tokens)
+    h = held_bytes(row.keys.parts.values()) + held_bytes(row.values.parts.values())
     return {"method": method, "projected": projected / tokens, "hidden": h / tokens, "ratio": h / projected}

@@ -108,6 +108,7 @@ class RetrofitConfig:
     lr: float = 1e-3  # the distillation's Adam step
     dtype: str = "float32"
     seed: int = 0
+    store: str = "projected"  # what the persistent store keeps of the decoder half: "projected" | "hidden"
 
 
 @dataclass(frozen=True)
@@ -122,3 +123,4 @@ class EvalConfig:
     repeats: int = 3
     dtype: str = "float32"
     seed: int = 0
+    store_method: str = "nvfp4"  # the store's evidence (both ways of keeping the decoder half) at this method

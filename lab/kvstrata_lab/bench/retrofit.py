@@ -28,6 +28,7 @@ from kvstrata.models.ced.distill import distill
 from kvstrata.models.ced.fit import fit_projections, remeasure
 from kvstrata.models.ced.store import check_plan, fit_summary, write
 from kvstrata.models.loader import install_dir
+from kvstrata_lab.bench.ced_store import store_evidence
 from kvstrata_lab.bench.config import EvalConfig, RetrofitConfig
 from kvstrata_lab.bench.paired import paired_delta
 from kvstrata_lab.bench.protocol import greedy
@@ -81,7 +82,8 @@ def retrofit(cfg: RetrofitConfig) -> dict:
         "dtype": cfg.dtype,
         "data": f"{cfg.texts} calib/calib-reason texts of <= {cfg.length} tokens",
     }
-    install_dir(cfg.out, lambda tmp: write(tmp, resolve(cfg.model), model, proj, split, cfg.n_win, summary))
+    source = resolve(cfg.model)
+    install_dir(cfg.out, lambda tmp: write(tmp, source, model, proj, split, cfg.n_win, summary, cfg.store))
     return summary
 
 
@@ -163,6 +165,10 @@ def evaluate(cfg: EvalConfig) -> dict:
         "attention_error": attention_errors(orig, ced, held),
         "prefill": timings(orig, ced, tok, cfg.timing, cfg.repeats) if cfg.timing else [],
     }
+    if cfg.store_method:
+        text = torch.cat(calibration_ids(tok, 2048, 3, 30_000, cfg.seed), dim=1)
+        n = min(text.shape[1] - 200, max(cfg.timing, default=2048))
+        result["store"] = store_evidence(ced, text[:, :n], text[:, n : n + 200], cfg.store_method)
     path = cfg.out / "answers.jsonl"
     done = (
         {(r["task"], r["index"]) for r in map(json.loads, path.read_text().splitlines())}

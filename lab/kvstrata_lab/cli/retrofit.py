@@ -63,6 +63,14 @@ def register(sub) -> None:
         "--dtype", choices=DTYPES, default=default("dtype"), help="the model's weights while fitting"
     )
     rf.add_argument("--seed", type=SEED, default=default("seed"))
+    rf.add_argument(
+        "--store-as",
+        choices=("projected", "hidden"),
+        default=default("store"),
+        help="what the persistent store keeps of the decoder half: each decoder layer's projected K/V, "
+        "or H(split) once per token with the projections applied on load (the decoder then runs on "
+        "H(split) as the recipe's value codec holds it; default %(default)s)",
+    )
     rf.set_defaults(func=run_fit)
 
     ev = sub.add_parser(
@@ -100,6 +108,12 @@ def register(sub) -> None:
         default=field_default(EvalConfig, "dtype"),
         help="both models' weights and activations",
     )
+    ev.add_argument(
+        "--store-method",
+        default=field_default(EvalConfig, "store_method"),
+        help="serve a prompt through the persistent store with the decoder half kept both ways (projected "
+        "K/V, H(split)) at this method: bytes per token, hit vs cold ('': skip; default %(default)s)",
+    )
     ev.set_defaults(func=run_eval)
 
 
@@ -132,6 +146,7 @@ def run_fit(args) -> int:
         lr=args.lr,
         dtype=args.dtype,
         seed=args.seed,
+        store=args.store_as,
     )
     rep = retrofit(cfg)
     errs = ", ".join(f"{k:.2f}/{v:.2f}" for k, v in zip(rep["key_error"], rep["value_error"]))
@@ -163,6 +178,10 @@ def run_eval(args) -> int:
     bad = [t for t in tasks if t not in FAMILY_TASKS + REASON_TASKS or not t.startswith("report")]
     if bad:
         raise ValueError(f"--tasks: {', '.join(bad)}: the evidence is measured on report families only")
+    if args.store_method:
+        from kvstrata.models.loader import check_method
+
+        check_method(args.ced, args.store_method, store=True)  # before any weights load
     cfg = EvalConfig(
         model=args.model,
         ced=Path(args.ced),
@@ -172,7 +191,12 @@ def run_eval(args) -> int:
         n=args.n,
         timing=args.timing,
         dtype=args.dtype,
+        store_method=args.store_method,
     )
     res = evaluate(cfg)
-    print(json.dumps({k: res[k] for k in ("attention_error", "prefill", "answers")}, indent=1))
+    print(
+        json.dumps(
+            {k: res[k] for k in ("attention_error", "prefill", "answers", "store") if k in res}, indent=1
+        )
+    )
     return 0

@@ -64,10 +64,11 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from kvstrata.cli.inputs import check_context, writable_dir
-    from kvstrata.models.loader import check_method
+    from kvstrata.models.loader import check_method, refuse_encoder_decoder
     from kvstrata_lab.serve_bench.vllm_bench import run as bench
 
     writable_dir(args.out, "--out")
+    refuse_encoder_decoder(args.model, "kvstrata vllm-bench (vLLM has no encoder-decoder step)")
     check_context(args.model, max(args.probe_tokens, args.length) + 128,
                   "--probe-tokens" if args.probe_tokens >= args.length else "--length")
     if "kvstrata-spec" in args.configs:

@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvstrata.models import check_method, load_config, load_tokenizer
+from kvstrata.models.loader import refuse_encoder_decoder
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.config import ServeBenchConfig
 from kvstrata_lab.serve_bench.peers import check_peer, peer_server, store_bytes
@@ -218,6 +219,7 @@ def check_fits(cfg: ServeBenchConfig) -> None:
 def run(cfg: ServeBenchConfig) -> dict:
 
     check_method(cfg.model, cfg.method, store=True)  # refused here, not by the first server's exit
+    refuse_encoder_decoder(cfg.model, "kvstrata serve-bench (it runs kvstrata serve)")
     check_fits(cfg)
     if cfg.peer:
         check_peer(cfg.peer, cfg.model)  # a missing build or environment: refused before any phase runs

@@ -24,6 +24,7 @@ import torch
 from kvstrata.hf.cache import CompressedCache
 from kvstrata.hf.run import forward
 from kvstrata.models import check_method, load, load_tokenizer
+from kvstrata.models.loader import refuse_encoder_decoder
 from kvstrata.place import KVStore, StoreConfig
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.bench import _Load, _server, _stream, check_fits
@@ -112,6 +113,7 @@ def _sample(records: list[tuple[dict, dict]], events: list[dict], n: int) -> lis
 def run(cfg: SoakConfig, command: str = "kvstrata serve-soak") -> dict:
     lc = cfg.load
     check_method(lc.model, lc.method, store=True)
+    refuse_encoder_decoder(lc.model, command)
     check_fits(lc)
     tok = load_tokenizer(lc.model)
     scripts = Scripts(tok, lc.context, lc.turns, lc.tool_tokens, lc.seed)
