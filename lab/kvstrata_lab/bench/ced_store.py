@@ -11,7 +11,8 @@ from kvstrata.hf.held import cut
 from kvstrata.hf.projected import CONFIG_KEY, STORED
 from kvstrata.place.block_format import pack
 from kvstrata.place.memory import MemoryTier
-from kvstrata.place.prefix_server import PrefixServer
+from kvstrata.place.prefix_keys import model_fingerprint
+from kvstrata.place.prefix_server import PrefixServer, weights_digest
 from kvstrata.place.store import KVStore
 
 BLOCK = 256
@@ -23,8 +24,8 @@ def _bytes(layer, upto: int) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _serve(ced, store: KVStore, method: str, ids: list[int]):
-    return PrefixServer(ced, store, method, block_size=BLOCK).serve(ids)
+def _serve(ced, store: KVStore, method: str, ids: list[int], fingerprint: str):
+    return PrefixServer(ced, store, method, block_size=BLOCK, fingerprint=fingerprint).serve(ids)
 
 
 def store_evidence(ced, ids: torch.Tensor, follow: torch.Tensor, method: str) -> list[dict]:
@@ -35,12 +36,13 @@ def store_evidence(ced, ids: torch.Tensor, follow: torch.Tensor, method: str) ->
     kept, first = plan.get("store", STORED[0]), ids[0].tolist()
     shared = first[: (len(first) - 1) // BLOCK * BLOCK]
     seconds = [shared + follow[0, :n].tolist() for n in (max(1, ced.n_win // 4), follow.shape[1])]
-    rows = []
+    rows, digest = [], weights_digest(ced)  # once: the config (its "store") is what differs
     try:
         for mode in STORED:
             plan["store"] = mode
+            fp = model_fingerprint(ced.config.to_dict(), digest)
             store = KVStore(MemoryTier(1 << 34), MemoryTier(1 << 32))
-            cold_first = _serve(ced, store, method, first)
+            cold_first = _serve(ced, store, method, first, fp)
             upto = (len(first) - 1) // BLOCK * BLOCK
             layers = cold_first.cache.stored_layers()
             half = (
@@ -56,8 +58,8 @@ def store_evidence(ced, ids: torch.Tensor, follow: torch.Tensor, method: str) ->
                 "prompts": [],
             }
             for second in seconds:
-                hit = _serve(ced, store, method, second)
-                cold = _serve(ced, KVStore(MemoryTier(1 << 34), MemoryTier(1 << 32)), method, second)
+                hit = _serve(ced, store, method, second, fp)
+                cold = _serve(ced, KVStore(MemoryTier(1 << 34), MemoryTier(1 << 32)), method, second, fp)
                 row["prompts"].append(
                     {
                         "tokens": len(second),
