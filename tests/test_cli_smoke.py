@@ -469,6 +469,14 @@ def test_chat_on_an_encoder_decoder(capsys, tmp_path):
     assert kinds[0] == "miss" and set(kinds[1:]) == {"hit"}
 
 
+@pytest.mark.parametrize("command", ["serve-bench", "serve-soak"])
+def test_batched_serving_refuses_an_encoder_decoder_in_one_line(capsys, tmp_path, ced_dir, command):
+    """`kvstrata serve` has no batched encoder-decoder step: the commands that run it refuse one first."""
+    assert main([command, "--model", str(ced_dir), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "is an encoder-decoder" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv, words", [
     ("--split 4", "split must be a layer in [1, 3]"), ("--n-win 0", "--n-win: must be in"),
     ("--store-as both", "--store-as: invalid choice"),
