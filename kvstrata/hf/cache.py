@@ -155,6 +155,11 @@ class CompressedCache(Cache):
         """Every layer's storage as the store's records cut it, `H(split)`'s last (when held)."""
         return [stored_layer(layer) for layer in self.layers] + ([self.hidden] if self.hidden else [])
 
+    def start_replay(self, position: int) -> None:
+        """A replay from `position` (`CompressedLayer.start_replay`), `H(split)` included when held."""
+        for layer in (*self.layers, *([self.hidden] if self.hidden is not None else [])):
+            layer.start_replay(position)
+
     def reset(self) -> None:
         super().reset()
         if self.hidden is not None:

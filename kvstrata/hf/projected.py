@@ -23,7 +23,9 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvstrata.codecs.qtensor import held_bytes
+from kvstrata.hf.held import cut
 from kvstrata.hf.layers import CompressedLayer
+from kvstrata.hf.segments import decode_segment
 from kvstrata.methods import StoreRecipe
 
 CONFIG_KEY = "kvstrata_ced"  # the model config's field naming an encoder-decoder's split and window
@@ -36,13 +38,21 @@ def ced_plan(text_config) -> tuple[int, int] | None:
     return None if not plan else (int(plan["split"]), int(plan["n_win"]))
 
 
-def ced_stored(text_config) -> str:
-    """What the store keeps of an encoder-decoder's decoder half: "projected" (the default) or "hidden"."""
-    plan = getattr(text_config, CONFIG_KEY, None) or {}
-    stored = plan.get("store", STORED[0])
+def _check_stored(stored: str) -> str:
     if stored not in STORED:
         raise ValueError(f"{CONFIG_KEY}.store must be one of {', '.join(STORED)}, got {stored!r}")
     return stored
+
+
+def ced_config(split: int, n_win: int, store: str = STORED[0]) -> dict:
+    """The config field (`CONFIG_KEY`) naming an encoder-decoder's plan; an unknown `store` is refused."""
+    return {"split": split, "n_win": n_win, "store": _check_stored(store)}
+
+
+def ced_stored(text_config) -> str:
+    """What the store keeps of an encoder-decoder's decoder half: "projected" (the default) or "hidden"."""
+    plan = getattr(text_config, CONFIG_KEY, None) or {}
+    return _check_stored(plan.get("store", STORED[0]))
 
 
 def stored_layer(layer) -> CompressedLayer:
@@ -69,8 +79,11 @@ class Hidden(CompressedLayer):
         return h[..., :half].unsqueeze(1), h[..., half:].unsqueeze(1)
 
     def rows(self, start: int, n: int) -> torch.Tensor:
-        """`H(split)` of positions `[start, start + n)` as held (decoded): `[batch, n, hidden]`."""
-        k, v = (t[:, 0, start : start + n] for t in self.dense())
+        """`H(split)` of positions `[start, start + n)` as held, only those decoded: `[batch, n, hidden]`."""
+        part = cut(self, start, start + n, encode_tail=False)
+        pairs = [decode_segment(self.recipe, seg, self.dtype) for seg in part.segments]
+        pairs += [part.tail] if part.tail is not None else []
+        k, v = (torch.cat([p[i] for p in pairs], dim=-2)[:, 0] for i in (0, 1))
         return torch.cat([k, v], dim=-1)
 
     def hold(self, h: torch.Tensor, start: int) -> torch.Tensor:

@@ -275,8 +275,9 @@ class PrefixServer:
         windows = self._open(swa, TierClass.SWA, None) if swa is not None else None
         live = windows is not None or not sliding
         start = P if live else max(0, P - self.n_win) // self.block * self.block  # where a cold run cut
-        if self._rewind(n) < start:  # then the windows held at P are not the ones the rerun needs
-            start, live, windows = self._rewind(n), False, None
+        rewind = self._rewind(n)
+        if rewind < start:  # then the windows held at P are not the ones the rerun needs
+            start, live, windows = rewind, False, None
         kind = ServeKind.HIT if live else ServeKind.REPLAY
         layers = cache.stored_layers()
         try:
@@ -292,10 +293,9 @@ class PrefixServer:
         if self.hidden:
             self.model.project_held(cache, P, self.block)
         if kind is ServeKind.REPLAY:
-            for layer in (*cache.layers, *([cache.hidden] if cache.hidden is not None else [])):
-                layer.start_replay(start)
-            if self.hidden:  # the decoder's rows pending as the cold run left them at `start`
-                cache.pending = self.model.held_rows(cache, start)
+            cache.start_replay(start)
+        if self.hidden:  # the decoder's rows pending as the cold run left them at `start`
+            cache.pending = self.model.held_rows(cache, start)
         return cache, start, kind, P
 
     def _snapshot(self, cache: CompressedCache, P: int, Q: int):

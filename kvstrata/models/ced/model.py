@@ -26,7 +26,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvstrata.hf.cache import CompressedCache, head_dim
 from kvstrata.hf.held import seal
-from kvstrata.hf.projected import CONFIG_KEY, STORED, ced_stored
+from kvstrata.hf.projected import CONFIG_KEY, STORED, ced_config
 
 
 def rms(h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -179,13 +179,11 @@ class CEDModel(nn.Module):
     def project_held(self, cache: CompressedCache, upto: int, block: int) -> None:
         """After `H(split)` of positions `[0, upto)` was installed from the store (`cache.hidden`): the
         decoder layers' projected K/V made from it block by block, sealed after each block, as the
-        cold run's chunks made them (a prefill chunk limit under `block` would cut them otherwise); the
-        decoder's pending rows as the cold run left them at `upto`."""
+        cold run's chunks made them (a prefill chunk limit under `block` would cut them otherwise)."""
         for a in range(0, upto, block):
             h = cache.hidden.rows(a, min(block, upto - a))
             self._project(cache, h, self._rope(h, torch.arange(a, a + h.shape[1]).unsqueeze(0)))
             seal(cache, block)
-        cache.pending = self.held_rows(cache, upto)
 
     def held_rows(self, cache: CompressedCache, upto: int) -> tuple[int, torch.Tensor] | None:
         """The decoder's pending rows as a cold run leaves them at `upto`: `H(split)` of the last
@@ -233,9 +231,7 @@ def encoder_decoder(
 ) -> CEDModel:
     """`base` as an encoder-decoder: its config takes the split, window and what the store keeps (so
     every `CompressedCache` made from it holds projected decoder layers); `base` itself is taken over."""
-    plan = {"split": split, "n_win": n_win, "store": store}
-    setattr(base.config.get_text_config(decoder=True), CONFIG_KEY, plan)
-    ced_stored(base.config.get_text_config(decoder=True))  # refused here when unknown
+    setattr(base.config.get_text_config(decoder=True), CONFIG_KEY, ced_config(split, n_win, store))
     return CEDModel(base, copy.deepcopy(projections).to(base.dtype), split, n_win).eval()
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf.cache import layer_classes
-from kvstrata.hf.projected import CONFIG_KEY, STORED, ced_plan, ced_stored, hidden_recipe
+from kvstrata.hf.projected import CONFIG_KEY, STORED, ced_config, ced_plan, ced_stored, hidden_recipe
 from kvstrata.hf.segments import probe_segment
 from kvstrata.methods import parse_method
 from kvstrata.models.ced.model import CEDModel, Projections, decoder_shape, encoder_decoder
@@ -67,9 +67,7 @@ def write(
         ):
             _link_or_copy(f, tmp / f.name)
     config = model.config.__class__.from_dict(model.config.to_dict())
-    plan = {"split": split, "n_win": n_win, "store": store}
-    setattr(config.get_text_config(decoder=True), CONFIG_KEY, plan)
-    ced_stored(config.get_text_config(decoder=True))
+    setattr(config.get_text_config(decoder=True), CONFIG_KEY, ced_config(split, n_win, store))
     config.save_pretrained(tmp)
     save_file(
         {k: v.float().contiguous() for k, v in proj.state_dict().items()},

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.hf.held import cut
 from kvstrata.hf.projected import CONFIG_KEY, STORED
 from kvstrata.place.block_format import pack
@@ -20,8 +21,7 @@ BLOCK = 256
 
 def _bytes(layer, upto: int) -> int:
     """Bytes a record of positions [0, upto) holds for one cache layer, as the store packs it."""
-    tensors, _ = pack({0: cut(layer, 0, upto, encode_tail=True)}, upto)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return held_bytes(pack({0: cut(layer, 0, upto, encode_tail=True)}, upto)[0].values())
 
 
 def _serve(ced, store: KVStore, method: str, ids: list[int], fingerprint: str):
@@ -43,7 +43,7 @@ def store_evidence(ced, ids: torch.Tensor, follow: torch.Tensor, method: str) ->
             fp = model_fingerprint(ced.config.to_dict(), digest)
             store = KVStore(MemoryTier(1 << 34), MemoryTier(1 << 32))
             cold_first = _serve(ced, store, method, first, fp)
-            upto = (len(first) - 1) // BLOCK * BLOCK
+            upto = len(shared)
             layers = cold_first.cache.stored_layers()
             half = (
                 layers[len(layers) - 1 :] if mode == "hidden" else layers[ced.split : len(ced.inner.layers)]
