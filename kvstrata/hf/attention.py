@@ -1,18 +1,14 @@
-"""kvstrata's attention functions in transformers' `AttentionInterface`, the scope in which a model
-attends with them, and the one side channel the interface forces.
+"""The scope in which a model attends with kvstrata's attention, and the pieces it shares.
 
 Scope: `attending(config)` selects the `kvstrata` implementation on a config and puts back the
 one it replaced when the last user leaves (users are counted, so caches and blocks nest). A
 `CompressedCache` is such a user for its lifetime (until `close()`, the end of its `with` block,
-or garbage collection); nothing stays switched after it. The `kvstrata` function behaves exactly
-like the implementation it replaced (sdpa, or eager) for every call but one: a decode step whose
-cache layer offered its encoded storage. Then it attends straight from the codes
-(`kvstrata.read.decode.decode_attention`) and the layer never builds a dense copy.
-
-Side channel: transformers calls `cache.update(...)` and then the layer's attention function with
-no way to pass anything between them, so the cache leaves its offer (`offer`: the encoded view;
-`offer_keep`: a layer waiting for keep scores) in a `ContextVar` for exactly the next attention
-call of that layer (`take`). Threads (a server) never see each other's offers.
+or garbage collection); nothing stays switched after it. The function itself
+(`kvstrata.hf.rows.attend_rows`, one for a single sequence, a batched step and top-k reads)
+behaves exactly like the implementation it replaced (sdpa, or eager) for every call but a decode
+step whose cache layer offered its encoded storage: that step attends straight from the codes.
+This module holds what it delegates to (`delegate`, `eager_attention`), the mask helpers and the
+keep policies' scoring (`score_keep`).
 """
 
 from __future__ import annotations
@@ -28,11 +24,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from kvstrata.keep import window_scores
-from kvstrata.read.decode import EncodedView, decode_attention
 
 NAME = "kvstrata"
-_OFFER: ContextVar[tuple[int, EncodedView] | None] = ContextVar("kvstrata_offer", default=None)
-_KEEP: ContextVar[tuple[int, object] | None] = ContextVar("kvstrata_keep", default=None)
 # id(config) -> [config, the implementation `kvstrata` replaced, users]
 _SCOPES: dict[int, list] = {}
 _LOCK = threading.Lock()
@@ -94,17 +87,18 @@ def attending(config):
 
 
 @contextlib.contextmanager
-def hooked(model, name: str, var: ContextVar, value):
-    """Within the block the model attends with implementation `name` and `var` holds `value` (the
-    hook's state); the block holds an attention scope of its own, so what `kvstrata` replaced is
-    restored after it even when the caches that selected it go away inside the block."""
+def hooked(model, name: str, var: ContextVar | None = None, value=None):
+    """Within the block the model attends with implementation `name` and `var` (if any) holds `value`
+    (the hook's state); the block holds an attention scope of its own, so what `kvstrata` replaced
+    is restored after it even when the caches that selected it go away inside the block."""
     leave = enter_scope(model.config)
     model.set_attn_implementation(name)
-    token = var.set(value)
+    token = var.set(value) if var is not None else None
     try:
         yield value
     finally:
-        var.reset(token)
+        if var is not None:
+            var.reset(token)
         model.set_attn_implementation(NAME)
         leave()
 
@@ -129,35 +123,9 @@ def reads_encoded(config) -> bool:
     return attention_implementation(config) in READERS
 
 
-def offer(layer_idx: int, view: EncodedView | None) -> None:
-    """The cache's `update` for `layer_idx` returned only its full-precision tail; the rest is `view`
-    (None: it returned everything)."""
-    _OFFER.set(None if view is None else (layer_idx, view))
-
-
-def take(layer_idx: int) -> EncodedView | None:
-    """The view offered for `layer_idx` (once), or None."""
-    got = _OFFER.get()
-    if got is None or got[0] != layer_idx:
-        return None
-    _OFFER.set(None)
-    return got[1]
-
-
-def offer_keep(layer_idx: int, layer) -> None:
-    """`layer` (None: no layer) holds its prefill in full precision until this layer's attention
-    scores it; set on every cache update, so an offer never outlives the attention call it is for."""
-    _KEEP.set(None if layer is None else (layer_idx, layer))
-
-
-def score_keep(module, query, key, value, attention_mask, **kwargs) -> None:
-    """If this layer's keep policy waits for scores: the attention probabilities of the prompt's last
+def score_keep(layer, module, query, key, value, attention_mask, **kwargs) -> None:
+    """`layer`'s keep policy waits for the prefill's scores: the attention probabilities of its last
     `window` queries (eager, over the same keys and mask), averaged per KV group, handed over."""
-    got = _KEEP.get()
-    if got is None or got[0] != module.layer_idx:
-        return
-    _KEEP.set(None)
-    layer = got[1]
     w = min(layer.recipe.keep.window, query.shape[2])
     mask = attention_mask[..., -w:, :] if attention_mask is not None else None
     _, probs = eager_attention(module, query[:, :, -w:], key, value, mask, **kwargs)
@@ -206,18 +174,6 @@ def all_visible(mask: torch.Tensor | None, kv_len: int) -> bool:
     return bool(m.all()) if m.dtype == torch.bool else bool((m == 0).all())
 
 
-def attend_view(module, query, view: EncodedView, key, value, attention_mask, scaling=None, **kwargs):
-    """A decode step over `view` + the tail `key, value`: fused when the mask hides nothing, else
-    through the dense reference (decoded once) and the replaced implementation."""
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if query.shape[2] == 1 and all_visible(attention_mask, view.tokens + key.shape[-2]):
-        out = decode_attention(query, view, key, value, scaling, kwargs.get("softcap"))
-        return out[:, None].to(query.dtype), None
-    ks, vs = view.dense(key.dtype)
-    key, value = torch.cat(ks + [key], -2), torch.cat(vs + [value], -2)
-    return delegate(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-
 def fit_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
     """The model builds one mask per layer type from its first layer's sizes; a layer whose keep
     policy held a different number of entries (per-layer specs) gets it aligned to its own keys:
@@ -231,25 +187,12 @@ def fit_mask(mask: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
     return torch.cat([front, mask], -1)
 
 
-def _kvstrata_attention(module, query, key, value, attention_mask, **kwargs):
-    view = take(module.layer_idx)
-    if attention_mask is not None:  # decode steps without padding pass none: nothing to align
-        attention_mask = fit_mask(attention_mask, key.shape[-2] + (view.tokens if view is not None else 0))
-    if view is None:
-        out = delegate(module, query, key, value, attention_mask, **kwargs)
-        score_keep(module, query, key, value, attention_mask, **kwargs)
-        return out
-    return attend_view(module, query, view, key, value, attention_mask, **kwargs)
-
-
 READERS = {NAME}
 
 
 def register_reader(name: str, fn) -> None:
-    """Register an attention implementation that accepts offered views (the sparse reader)."""
+    """Register an attention implementation that accepts offered rows, with sdpa's mask function."""
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     READERS.add(name)
 
-
-register_reader(NAME, _kvstrata_attention)

@@ -15,10 +15,11 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvstrata.hf.attention import enter_scope, offer, offer_keep, reads_encoded
+from kvstrata.hf.attention import enter_scope, reads_encoded
 from kvstrata.hf.depth_layers import DepthGroup, DepthLayer
 from kvstrata.hf.layers import CompressedLayer, CompressedSlidingLayer, flush_many
 from kvstrata.hf.projected import Hidden, ProjectedLayer, ced_plan, ced_stored, check_ced_method, stored_layer
+from kvstrata.hf.rows import append_part, offer
 from kvstrata.methods import MethodSpec, parse_method
 
 
@@ -100,6 +101,8 @@ class CompressedCache(Cache):
         self.hidden = Hidden(self.method.full) if hidden else None
         #: an encoder-decoder's (first position, encoder output rows) its decoder has not run over yet
         self.pending: tuple[int, torch.Tensor] | None = None
+        #: the top-k read state its decode steps select with (`kvstrata.hf.topk_attention.reading`)
+        self.read = None
         super().__init__(layers=layers)
 
     def _group_depth(self, layers: list, classes) -> None:
@@ -136,20 +139,20 @@ class CompressedCache(Cache):
         self.close()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Append to layer `layer_idx`. A decode step whose attention reads encoded views gets only the
-        full-precision tail back; the encoded part is offered to that attention call."""
+        """Append to layer `layer_idx` as a row of one (`kvstrata.hf.rows.append_part`). A decode step
+        whose attention reads encoded views gets only the full-precision tail back; the rest is
+        offered to that attention call."""
         layer = self.layers[layer_idx]
-        reads = self.fused and reads_encoded(self.text_config)
         # a step's new tokens are attended in full precision by their own layer, so every layer's
         # encoding can wait for the step's last layer and be done there in one codec call per recipe
         last = layer_idx == len(self.layers) - 1
         defer = not last and type(layer) in (CompressedLayer, CompressedSlidingLayer)
-        keys, values, view = layer.append(key_states, value_states, offer=reads, defer=defer)
+        part = append_part(self, layer_idx, key_states, value_states,
+                           reads=reads_encoded(self.text_config), defer=defer)
         if last:
             self.settle()
-        offer(layer_idx, view)  # every update sets both offers, so none outlives its attention call
-        offer_keep(layer_idx, layer if layer.pending_keep else None)
-        return keys, values
+        offer(layer_idx, [part])  # set on every update, so no offer outlives its attention call
+        return part.keys, part.values
 
     def stored_layers(self) -> list[CompressedLayer]:
         """Every layer's storage as the store's records cut it, `H(split)`'s last (when held)."""

@@ -1,56 +1,22 @@
 """Decode steps that read what the read stratum picks: `reading(model, cache, spec)`.
 
-For a `topk` recipe the model's attention becomes `kvstrata_sparse`: at a decode step each
-full-attention layer asks `kvstrata.read.sparse.select` for the positions to read (sinks, recent
-window, indexed top-k) and attends over only those, straight from the encoded entries when the
-cache offered its encoded view (no dense copy of the layer), else by gathering from the dense
-keys. Everything else (prefill, sliding layers) attends as `kvstrata` attention does.
+For a `topk` recipe the cache carries a read state (`cache.read`) for the block's lifetime; the one
+attention function (`kvstrata.hf.rows.attend_rows`) then asks `kvstrata.read.sparse.select`, at
+each decode step of a full-attention layer the state schedules, for the positions to read (sinks,
+recent window, indexed top-k) and attends over only those: straight from the encoded entries when
+the cache offered its encoded view (no dense copy of the layer), else by gathering from the dense
+keys. A batched row carries its own state (`Row.read`). Everything else (prefill, sliding layers)
+attends as it would without.
 """
 
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 
-from kvstrata.hf.attention import (
-    attend_view,
-    delegate,
-    eager_attention,
-    hooked,
-    register_reader,
-    take,
-)
+from kvstrata.hf.attention import attending
 from kvstrata.hf.cache import head_dim
 from kvstrata.methods import parse_method
-from kvstrata.read.decode import decode_attention
-from kvstrata.read.sparse import LazyKeys, ReadState, TopK, build_index, select
-
-NAME = "kvstrata_sparse"
-_STATE: ContextVar[ReadState | None] = ContextVar("kvstrata_read_state", default=None)
-
-
-def _sparse_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    state, layer = _STATE.get(), module.layer_idx
-    view = take(layer)
-    decoding = state is not None and query.shape[2] == 1 and layer in state.modes
-    if not decoding:
-        if view is not None:
-            return attend_view(module, query, view, key, value, attention_mask, scaling=scaling, **kwargs)
-        return delegate(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    prefix = state.layers[layer].read_prefix  # the rows of this step's keys held encoded
-    if view is not None:
-        idx = select(state, layer, query, LazyKeys(view, key), prefix)
-        out = decode_attention(query, view, key, value, scaling, kwargs.get("softcap"), idx=idx)
-        return out[:, None].to(query.dtype), None
-    idx = select(state, layer, query, key, prefix)
-    gather = idx[..., None].expand(-1, -1, -1, key.shape[-1])
-    return eager_attention(
-        module, query, key.gather(2, gather), value.gather(2, gather), None, scaling=scaling, **kwargs
-    )
-
-
-register_reader(NAME, _sparse_attention)
+from kvstrata.read.sparse import LazyKeys, ReadState, TopK, build_index
 
 
 def new_state(model, cache, cfg: TopK) -> ReadState:
@@ -78,9 +44,14 @@ def read_state(model, cache, spec) -> ReadState | None:
 
 @contextlib.contextmanager
 def sparse_reading(model, cache, cfg: TopK):
-    """Within the block, decode steps read sparsely; yields the ReadState with byte counts."""
-    with hooked(model, NAME, _STATE, new_state(model, cache, cfg)) as state:
-        yield state
+    """Within the block, `cache`'s decode steps read sparsely; yields the ReadState with byte counts."""
+    state = new_state(model, cache, cfg)
+    with attending(model.config):
+        cache.read = state
+        try:
+            yield state
+        finally:
+            cache.read = None
 
 
 def reading(model, cache, spec):

@@ -34,7 +34,6 @@ from kvstrata.read.indexers import (
 )
 from kvstrata.read.kernels import cpu
 
-NAME = "kvstrata_sparse"
 LIMIT = 1 << 24  # k, sinks, window: tokens, beyond any context we run
 MAX_REPEAT = 1024  # layers a schedule count may span
 

@@ -12,7 +12,7 @@ import torch
 from kvstrata.codecs import Center, Rotation, Smooth
 from kvstrata.codecs.transform import Fitted
 from kvstrata.hf import CompressedCache
-from kvstrata.hf import attention as attn
+from kvstrata.hf import rows as attn
 from kvstrata.hf.run import cache_kwarg, forward
 from kvstrata.hf.segments import encode_segment
 from kvstrata.methods import METHODS, parse_method
@@ -205,13 +205,13 @@ def _decode_logits(model, spec, fused, steps=12, prefill=40):
 def test_model_logits_fused_equal_reference(spec, arch, tiny_llama, tiny_gemma, monkeypatch):
     model = tiny_llama if arch == "llama" else tiny_gemma
     calls = []
-    real = decode.decode_attention
+    real = decode.decode_attention_rows
 
-    def counted(*a, **k):
-        calls.append(k.get("fused", True))
-        return real(*a, **k)
+    def counted(queries, *a, **k):  # one entry per row read from its codes
+        calls.extend([k.get("fused", True)] * len(queries))
+        return real(queries, *a, **k)
 
-    monkeypatch.setattr(attn, "decode_attention", counted)
+    monkeypatch.setattr(attn, "decode_attention_rows", counted)
     got, cache = _decode_logits(model, spec, fused=True)
     assert len(calls) == 12 * len(cache.layers), "every decode step of every layer reads the encoded view"
     ref, ref_cache = _decode_logits(model, spec, fused=False)
