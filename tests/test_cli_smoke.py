@@ -504,3 +504,12 @@ def test_retrofit_eval(capsys, tmp_path, ced_dir):
     assert all(p["hit_equals_cold"] for r in store.values() for p in r["prompts"])
     assert [p["kind"] for p in store["projected"]["prompts"]] == ["replay", "hit"]  # n_win 64: 16 / 200 more
     assert store["hidden"]["decoder_bytes_per_token"] < store["projected"]["decoder_bytes_per_token"]
+
+
+def test_step_bench(capsys, tmp_path):
+    """`kvstrata step-bench` at a tiny size: the table and profile written; a bad spec is one line."""
+    out = run(capsys, f"step-bench --model tiny-llama --methods nvfp4 --rows 2 --prompt-tokens 8 --rounds 1 "
+                      f"--steps 1 --out {tmp_path}")
+    assert "results:" in out and "| `nvfp4` |" in (tmp_path / "tiny-llama.md").read_text()
+    assert main(shlex.split(f"step-bench --model tiny-llama --methods nvfp5 --out {tmp_path}")) == 2
+    assert "nvfp5" in capsys.readouterr().err

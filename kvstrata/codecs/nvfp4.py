@@ -11,6 +11,7 @@ clipping none; "four over six" block scaling). Same format and decoding; encodin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,6 +50,24 @@ def _error(b: torch.Tensor, eff: torch.Tensor, scaled: torch.Tensor) -> torch.Te
     return ((decode_e2m1(encode_e2m1(scaled)) * eff[..., None] - b) ** 2).sum(-1)
 
 
+# returns the built C++ module (its `encode_nvfp4`) or None; the read stratum's kernel loader
+# (`kvstrata.read.kernels.cpu`, which builds it) registers itself here, so the codec imports nothing above it
+_native_loader: Callable[[], object | None] | None = None
+
+
+def use_native(loader: Callable[[], object | None]) -> None:
+    """Encode through `loader()`'s `encode_nvfp4` where it gives a module (the same codes, faster)."""
+    global _native_loader
+    _native_loader = loader
+
+
+def _native(x: torch.Tensor):
+    """The C++ module when `x` (non-empty, on the CPU) can be encoded by it, else None."""
+    if _native_loader is None or x.device.type != "cpu" or x.numel() == 0:
+        return None
+    return _native_loader()
+
+
 @dataclass(frozen=True)
 class NVFP4:
     tensor_scale: bool = True
@@ -62,9 +81,20 @@ class NVFP4:
     def encode(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> QTensor:
         """`scale`: a tensor scale to use instead of this tensor's own (parts of one tensor encoded
         apart, with the whole tensor's `tensor_scale(amax)`, encode exactly as the whole does), or one
-        per batch row, `[b, 1, 1, 1]` (rows of several tensors encoded at once)."""
-        ts, block_scale, eff, scaled = self._scaled(x, scale)
-        parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
+        per batch row, `[b, 1, 1, 1]` (rows of several tensors encoded at once). A minmax fit on the
+        CPU encodes in the C++ kernel when it is built (the same codes, tested bit for bit)."""
+        native = _native(x) if self.fit == "minmax" else None
+        if native is not None:
+            check_finite(x, self.name)
+            b = to_blocks(x, NV_BLOCK)
+            ts = self._tensor_scale(b, scale)
+            codes, block_scale = native.encode_nvfp4(
+                b.reshape(-1, NV_BLOCK).contiguous(), ts.expand(b.shape[:-1]).reshape(-1).contiguous())
+            parts = {"codes": codes.reshape(*b.shape[:-1], NV_BLOCK // 2),
+                     "scales": block_scale.reshape(b.shape[:-1])}
+        else:
+            ts, block_scale, eff, scaled = self._scaled(x, scale)
+            parts = {"codes": pack_bits(encode_e2m1(scaled), 4), "scales": block_scale.view(torch.uint8)}
         if self.tensor_scale:
             parts["tensor_scale"] = ts.reshape(-1)
         return QTensor(codec=self, shape=tuple(x.shape), dtype=x.dtype, parts=parts)
@@ -79,13 +109,7 @@ class NVFP4:
         check_finite(x, self.name)
         b = to_blocks(x, NV_BLOCK)
         amax_block = b.abs().amax(-1)
-        ts = torch.ones((), dtype=torch.float32, device=x.device)
-        if self.tensor_scale:
-            amax = amax_block.amax() if amax_block.numel() else ts.new_zeros(())
-            if scale is not None:
-                ts = scale.float().reshape(() if scale.numel() == 1 else (-1, 1, 1, 1))
-            else:
-                ts = tensor_scale(amax)
+        ts = self._tensor_scale(b, scale)
         block_scale, eff, scaled = _blocks_under(b, amax_block, E2M1_MAX, ts)
         if self.fit == "lsq":
             err = _error(b, eff, scaled)
@@ -97,6 +121,15 @@ class NVFP4:
                 eff, err = torch.where(better, c_eff, eff), torch.where(better, c_err, err)
                 scaled = torch.where(better[..., None], c_scaled, scaled)
         return ts, block_scale, eff, scaled
+
+    def _tensor_scale(self, b: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """The tensor scale blocks `b` encode under: `scale` as given (one, or one per batch row),
+        else their own, else 1 (no tensor scale)."""
+        if not self.tensor_scale:
+            return torch.ones((), dtype=torch.float32, device=b.device)
+        if scale is not None:
+            return scale.float().reshape(() if scale.numel() == 1 else (-1, 1, 1, 1))
+        return tensor_scale(b.abs().amax() if b.numel() else b.new_zeros(()))
 
     def scale_for(self, amax: torch.Tensor) -> torch.Tensor:
         """The tensor scale for a tensor whose largest magnitude is `amax`."""

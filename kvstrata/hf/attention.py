@@ -87,19 +87,32 @@ def attending(config):
 
 
 @contextlib.contextmanager
-def hooked(model, name: str, var: ContextVar | None = None, value=None):
-    """Within the block the model attends with implementation `name` and `var` (if any) holds `value`
-    (the hook's state); the block holds an attention scope of its own, so what `kvstrata` replaced
-    is restored after it even when the caches that selected it go away inside the block."""
+def hooked(model, name: str, var: ContextVar, value):
+    """Within the block the model attends with implementation `name` and `var` holds `value` (the
+    hook's state); the block holds an attention scope of its own, so what `kvstrata` replaced is
+    restored after it even when the caches that selected it go away inside the block."""
     leave = enter_scope(model.config)
     model.set_attn_implementation(name)
-    token = var.set(value) if var is not None else None
+    token = var.set(value)
     try:
         yield value
     finally:
-        if var is not None:
-            var.reset(token)
+        var.reset(token)
         model.set_attn_implementation(NAME)
+        leave()
+
+
+@contextlib.contextmanager
+def selecting(config, name: str):
+    """Within the block a model with `config` attends with implementation `name` (one of kvstrata's);
+    the block holds an attention scope of its own. Sets the config alone: no walk over the model's
+    modules, which a batched step would pay at every step."""
+    leave = enter_scope(config)
+    set_attention_implementation(config, name)
+    try:
+        yield
+    finally:
+        set_attention_implementation(config, NAME)
         leave()
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvstrata.hf.attention import hooked
+from kvstrata.hf.attention import selecting
 from kvstrata.hf.layers import flush_many
 from kvstrata.hf.rows import BATCH, Part, append_part, offer
 from kvstrata.hf.run import cache_kwarg
@@ -119,7 +119,7 @@ def batched_forward(model, rows: list[Row]) -> torch.Tensor:
         at += len(row.ids)
         ends.append(at)
     batch = RaggedCache(rows)
-    with torch.inference_mode(), hooked(model, BATCH):
+    with torch.inference_mode(), selecting(model.config.get_text_config(decoder=True), BATCH):
         out = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([positions]), use_cache=True,
                     logits_to_keep=torch.tensor(ends), **{cache_kwarg(model): batch})
         logits = out.logits[0]

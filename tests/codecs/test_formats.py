@@ -167,3 +167,41 @@ def test_empty_tensors_round_trip(fmt):
     x = torch.zeros(2, 0, 32)
     q = quantize(x, fmt)
     assert q.dequantize().shape == (2, 0, 32)
+
+
+def _nvfp4_inputs():
+    """Random rows at many magnitudes, exact E2M1 midpoints (ties) under a unit scale, zeros, a
+    block whose scale underflows E4M3, odd widths (padded blocks), a slice and per-row tensor scales."""
+    g = torch.Generator().manual_seed(11)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0,
+                         -0.25, -0.75, -5.0, 0.0, 6.0, 1e-3, -6.0, 3.0])
+    spread = 10.0 ** torch.randint(-6, 6, (2, 3, 17, 1), generator=g)
+    cases = [(torch.randn(2, 3, 17, 64, generator=g) * spread, None),
+             (ties.reshape(1, 1, 1, 16), torch.tensor(1.0 / 448)), (torch.zeros(1, 2, 3, 32), None),
+             (torch.cat([torch.full((1, 1, 1, 16), 1e-12), torch.full((1, 1, 1, 16), 100.0)], -1), None),
+             (torch.randn(1, 2, 5, 40, generator=g), None),
+             (torch.randn(2, 3, 40, 16, generator=g)[..., 7:39, :], None)]  # a slice: not contiguous
+    rows = torch.randn(4, 2, 1, 64, generator=g) * torch.tensor([0.1, 1.0, 10.0, 300.0]).reshape(4, 1, 1, 1)
+    cases.append((rows, torch.stack([tensor_scale(r.abs().amax() * 4) for r in rows]).reshape(4, 1, 1, 1)))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_nvfp4_kernel_encode_equals_the_pytorch_codec_bit_for_bit(case, monkeypatch):
+    """The C++ encode (used for a minmax fit on the CPU) gives the PyTorch path's codes and scales."""
+    from kvstrata.codecs import nvfp4
+    from kvstrata.read.kernels import cpu
+
+    if cpu.load() is None:
+        pytest.fail("the C++ kernel did not build on this machine")
+    x, scale = _nvfp4_inputs()[case]
+    for spec in ("nvfp4", "nvfp4:tensor_scale=0"):
+        codec = get_codec(spec)
+        got = codec.encode(x, scale)
+        monkeypatch.setattr(nvfp4, "_native", lambda _: None)
+        want = codec.encode(x, scale)
+        monkeypatch.undo()
+        assert got.parts.keys() == want.parts.keys()
+        for name in want.parts:
+            assert torch.equal(got.parts[name], want.parts[name]), (spec, name)
+        assert torch.equal(got.dequantize(), want.dequantize())

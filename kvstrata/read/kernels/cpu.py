@@ -23,8 +23,11 @@ from pathlib import Path
 
 import torch
 
+from kvstrata.codecs import nvfp4
+
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("codes.h", "fused.h", "linalg.h", "topk.h"))
+HEADERS = tuple(Path(__file__).with_name(name)
+                for name in ("codes.h", "encode.h", "fused.h", "linalg.h", "topk.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # the instruction sets a build can be held to (GCC drops every extension built on the one removed)
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"],
@@ -114,3 +117,6 @@ def load(verbose: bool = False, isa: str | None = None):
             )
     _state[isa] = module
     return module
+
+
+nvfp4.use_native(load)  # NVFP4 encodes through this build's `encode_nvfp4` (the same codes as PyTorch's)

@@ -7,6 +7,7 @@
 // codes), and folds it into an online softmax; slices are merged at the end. Nothing the size of
 // the layer is ever decoded.
 #include "codes.h"
+#include "encode.h"
 #include "fused.h"
 #include "linalg.h"
 #include "topk.h"
@@ -323,4 +324,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
   m.def("topk_positions", &topk_positions, "the k best index positions per KV head (sparse reads)");
   m.def("decode_attention_varlen", &decode_attention_varlen, "decode attention for many sequences in one call");
+  m.def("encode_nvfp4", &kv::encode_nvfp4, "NVFP4 blocks -> (E2M1 codes, E4M3 scales), as the PyTorch codec encodes them");
 }

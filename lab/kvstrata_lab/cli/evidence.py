@@ -17,6 +17,7 @@ from kvstrata.cli.inputs import (
     split_methods,
     writable_dir,
 )
+from kvstrata.settings import DTYPES
 
 
 def register(sub) -> None:
@@ -100,6 +101,22 @@ def register(sub) -> None:
                     help="timed runs per point (the median is kept)")
     kb.add_argument("--out", default="docs/results/kernels")
     kb.set_defaults(func=cmd_kernels_bench)
+
+    st = sub.add_parser("step-bench",
+                        help="one batched decode step in process at 1 and N rows, and its profile")
+    st.add_argument("--model", default="smollm2-135m")
+    st.add_argument("--methods", default="bf16,nvfp4", help="comma-separated specs")
+    st.add_argument("--rows", type=int_in(2, 256), default=8,
+                    help="rows (running requests) of the batched step")
+    st.add_argument("--prompt-tokens", type=int_in(1, BIG), default=128, help="tokens each row's cache holds")
+    st.add_argument("--rounds", type=int_in(1, 1000), default=5,
+                    help="interleaved timing rounds (medians kept)")
+    st.add_argument("--steps", type=int_in(1, 10_000), default=6, help="steps timed per round")
+    st.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and activations")
+    st.add_argument("--python-encode", action="store_true",
+                    help="also time each NVFP4 method with the PyTorch encode (the same codes)")
+    st.add_argument("--out", default="docs/results/step")
+    st.set_defaults(func=cmd_step_bench)
 
     mb = sub.add_parser("memory-bench",
                         help="peak RSS of `generate` on a long prompt vs the KV it holds, per codec")
@@ -286,6 +303,19 @@ def cmd_kernels_bench(args) -> int:
         if s not in kernels.SHAPES:
             raise ValueError(f"--shapes: unknown shape {s!r} (known: {', '.join(kernels.SHAPES)})")
     path = kernels.run(Path(args.out), tuple(lengths), tuple(shapes), args.repeats)
+    print(f"results: {path}")
+    return 0
+
+
+def cmd_step_bench(args) -> int:
+    from kvstrata.models import check_method
+    from kvstrata_lab.bench import step
+
+    methods = csv_items(args.methods)
+    for m in methods:
+        check_method(args.model, m)
+    path = step.run(args.model, methods, args.rows, args.prompt_tokens, args.rounds, args.steps,
+                    Path(args.out), args.dtype, args.python_encode)
     print(f"results: {path}")
     return 0
 
