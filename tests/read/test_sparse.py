@@ -236,3 +236,17 @@ def test_decode_steps_pick_in_the_kernel_what_they_pick_in_torch(tiny_llama, mon
     assert all(torch.equal(idx, ref_state.picked[layer]) for layer, idx in state.picked.items())
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert state.bytes_read == ref_state.bytes_read
+
+
+def test_a_keep_policy_is_scored_inside_a_topk_read(tiny_llama):
+    """The one attention function scores the prefill for SnapKV inside `reading()` too (the sparse
+    function once left the layer waiting, and its next append refused)."""
+    spec = "snapkv:keep=0.5+topk:k=8,window=4+nvfp4"
+    cache = CompressedCache(tiny_llama.config, spec)
+    with reading(tiny_llama, cache, spec) as state:
+        forward(tiny_llama, torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2)), cache)
+        assert not any(layer.pending_keep for layer in cache.layers)
+        for _ in range(3):
+            forward(tiny_llama, torch.tensor([[7]]), cache)
+    assert cache.get_seq_length() == 43 and state.bytes_read > 0
+    assert all(layer.stored_tokens() < 43 for layer in cache.layers)  # the policy dropped entries

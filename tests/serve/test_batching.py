@@ -86,6 +86,32 @@ def test_topk_reads_batched_equal_one_row_at_a_time(tiny_llama):
     assert decode(True) == decode(False)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_batched_row_reads_topk_as_the_single_path_does(tiny_llama, fused):
+    """One attention function: a batched row with a read state selects as `reading()` does for the
+    same cache alone, whether the cache offers its codes (fused) or its dense keys (not fused)."""
+    from kvstrata.hf.run import forward
+    from kvstrata.hf.topk_attention import read_state, reading
+
+    spec = "topk:k=8,window=4,schedule=F1+nvfp4"
+    ids = prompt(3, 40)
+    single = CompressedCache(tiny_llama.config, spec, fused=fused)
+    forward(tiny_llama, torch.tensor([ids]), single)
+    with reading(tiny_llama, single, spec) as state:
+        want = [forward(tiny_llama, torch.tensor([[t]]), single)[0, -1] for t in (5, 9, 11)]
+    batched = CompressedCache(tiny_llama.config, spec, fused=fused)
+    row = Row(cache=batched, ids=ids)
+    batched_forward(tiny_llama, [row])
+    row.read = read_state(tiny_llama, batched, spec)
+    got = []
+    for t in (5, 9, 11):
+        row.ids = [t]
+        got.append(batched_forward(tiny_llama, [row])[0])
+    assert state.bytes_read > 0 and row.read.bytes_read == state.bytes_read  # both selected, alike
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_a_failing_row_fails_alone(tiny_gemma):
     caches = [CompressedCache(tiny_gemma.config, "nvfp4") for _ in range(3)]
     rows = [Row(cache=c, ids=prompt(30 + i, 20)) for i, c in enumerate(caches)]
