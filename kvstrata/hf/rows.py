@@ -118,6 +118,12 @@ def _decoding(part: Part, layer_idx: int) -> bool:
     return part.read is not None and part.n == 1 and layer_idx in part.read.modes
 
 
+def _picks(part: Part, layer_idx: int, q: torch.Tensor, keys) -> torch.Tensor:
+    """The positions the row's read state picks for this decode step over `keys` (dense, or `LazyKeys`
+    over its view and tail)."""
+    return select(part.read, layer_idx, q, keys, part.read.layers[layer_idx].read_prefix)
+
+
 def _dense(module, q: torch.Tensor, part: Part, visible: bool, scaling: float, **kwargs) -> torch.Tensor:
     """A prefill chunk, a step whose layer offered no view, or one whose mask hides something:
     attention over the dense keys under the row's mask (a top-k decode step gathers its picks); a
@@ -128,7 +134,7 @@ def _dense(module, q: torch.Tensor, part: Part, visible: bool, scaling: float, *
         keys, values = torch.cat(ks + [keys], -2), torch.cat(vs + [values], -2)
     layer_idx = module.layer_idx
     if visible and _decoding(part, layer_idx):
-        idx = select(part.read, layer_idx, q, keys, part.read.layers[layer_idx].read_prefix)
+        idx = _picks(part, layer_idx, q, keys)
         gather = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
         out, _ = eager_attention(module, q, keys.gather(2, gather), values.gather(2, gather), None,
                                  scaling=scaling, **kwargs)
@@ -163,10 +169,8 @@ def attend_rows(module, query, key, value, attention_mask, scaling=None, **kwarg
                 part.mask = fit_mask(attention_mask, tokens)
             visible = part.n == 1 and all_visible(part.mask, tokens)
             if part.view is not None and visible:
-                picks = None
-                if _decoding(part, layer_idx):
-                    keys = LazyKeys(part.view, part.keys)
-                    picks = select(part.read, layer_idx, q, keys, part.read.layers[layer_idx].read_prefix)
+                sparse = _decoding(part, layer_idx)
+                picks = _picks(part, layer_idx, q, LazyKeys(part.view, part.keys)) if sparse else None
                 fused.append((i, q, part, picks))
                 continue
             outs[i] = _dense(module, q, part, visible, scaling, **kwargs)

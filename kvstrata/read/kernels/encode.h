@@ -12,23 +12,19 @@
 #include <c10/util/Float8_e4m3fn.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace kv {
 
 // magnitudes above these (strictly) take the next code: the midpoints between E2M1's magnitudes,
-// those where a tie goes up taken at the float just below them
-inline float e2m1_midpoint(int i) {
-  static const float up[3] = {std::nextafter(0.75f, 0.0f), std::nextafter(1.75f, 0.0f),
-                              std::nextafter(3.5f, 0.0f)};
-  static const float above[7] = {0.25f, up[0], 1.25f, up[1], 2.5f, up[2], 5.0f};
-  return above[i];
-}
+// those where a tie goes up (0.75, 1.75, 3.5) taken at the float just below them
+constexpr float E2M1_ABOVE[7] = {0.25f, 0x1.7ffffep-1f, 1.25f, 0x1.bffffep+0f, 2.5f, 0x1.bffffep+1f, 5.0f};
 
 inline uint8_t e2m1_code(float x) {
   const float a = std::fabs(x);
   uint8_t mag = 0;
-  for (int i = 0; i < 7; i++) mag += a > e2m1_midpoint(i);
+  for (float t : E2M1_ABOVE) mag += a > t;
   return mag | ((x < 0.0f && mag > 0) ? 8 : 0);
 }
 
@@ -55,12 +51,12 @@ inline std::vector<torch::Tensor> encode_nvfp4(const torch::Tensor& blocks, cons
       const c10::Float8_e4m3fn scale(amax / 6.0f / ts[b]);
       s[b] = scale.x;
       const float eff = static_cast<float>(scale) * ts[b];
-      const float div = std::max(eff, tiny);
-      for (int i = 0; i < 8; i++) {
-        const uint8_t lo4 = eff > 0.0f ? e2m1_code(v[2 * i] / div) : 0;
-        const uint8_t hi4 = eff > 0.0f ? e2m1_code(v[2 * i + 1] / div) : 0;
-        c[b * 8 + i] = lo4 | (hi4 << 4);
+      if (!(eff > 0.0f)) {  // the block scale underflowed: the block encodes as zeros
+        std::memset(c + b * 8, 0, 8);
+        continue;
       }
+      const float div = std::max(eff, tiny);
+      for (int i = 0; i < 8; i++) c[b * 8 + i] = e2m1_code(v[2 * i] / div) | (e2m1_code(v[2 * i + 1] / div) << 4);
     }
   });
   return {codes, scales};
