@@ -269,8 +269,8 @@ def test_serve_bench(capsys, tmp_path):
 
 
 def test_serve_batch_bench(capsys, tmp_path):
-    """The documented functional run on tiny-gemma3: real batched, unbatched and KV-budget servers;
-    every request answered and the server never ran more sequences than its budget holds."""
+    """The documented functional run on tiny-gemma3 (bf16 weights): real batched, unbatched and KV-budget
+    servers; every request answered and the server never ran more sequences than its budget holds."""
     from kvstrata.models import load_config
     from kvstrata.serve.scheduler import kv_rate
 
@@ -278,9 +278,10 @@ def test_serve_batch_bench(capsys, tmp_path):
         capsys,
         "serve-batch-bench --model tiny-gemma3 --methods bf16,nvfp4 --streams 1,3 --requests 1 "
         "--level-requests 2 --prompt-tokens 40 --max-tokens 6 --probe-tokens 200 --budget-sequences 2 "
-        f"--budget-streams 4 --out {tmp_path}",
+        f"--budget-streams 4 --dtype bf16 --out {tmp_path}",
     )
-    result = json.loads((tmp_path / "tiny-gemma3.json").read_text())
+    result = json.loads((tmp_path / "tiny-gemma3-bf16.json").read_text())
+    assert result["config"]["dtype"] == "bf16"
     for method, rows in result["methods"].items():
         for mode in ("batched", "unbatched"):
             levels = rows[mode]["levels"]
@@ -290,7 +291,8 @@ def test_serve_batch_bench(capsys, tmp_path):
         need = kv_rate(load_config("tiny-gemma3"), method).bytes(40 + 6)
         assert 1 <= rows["budget"]["running_max"] <= result["budget_bytes"] // need
         assert rows["budget"]["errors"] == 0
-    assert "| `nvfp4` | batched | 3 |" in (tmp_path / "tiny-gemma3.md").read_text()
+    text = (tmp_path / "tiny-gemma3-bf16.md").read_text()
+    assert "| `nvfp4` | batched | 3 |" in text and "(bf16 weights)" in text
 
 
 @pytest.mark.parametrize("tokens", [1000, 4096])
@@ -509,7 +511,8 @@ def test_retrofit_eval(capsys, tmp_path, ced_dir):
 def test_step_bench(capsys, tmp_path):
     """`kvstrata step-bench` at a tiny size: the table and profile written; a bad spec is one line."""
     out = run(capsys, f"step-bench --model tiny-llama --methods nvfp4 --rows 2 --prompt-tokens 8 --rounds 1 "
-                      f"--steps 1 --out {tmp_path}")
-    assert "results:" in out and "| `nvfp4` |" in (tmp_path / "tiny-llama.md").read_text()
+                      f"--steps 1 --torch-linear --out {tmp_path}")
+    text = (tmp_path / "tiny-llama.md").read_text()
+    assert "results:" in out and "| `nvfp4` |" in text and "| `nvfp4 (torch linear)` |" in text
     assert main(shlex.split(f"step-bench --model tiny-llama --methods nvfp5 --out {tmp_path}")) == 2
     assert "nvfp5" in capsys.readouterr().err

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from kvstrata.hf import linear
 from kvstrata.hf.cache import check_fits_model
 from kvstrata.hf.projected import ced_plan
 from kvstrata.methods import MethodSpec, check_store, parse_method, render_recipe
@@ -173,6 +174,7 @@ def load_model(name_or_path: str | Path, dtype: str | torch.dtype = torch.float3
     path = resolve(str(name_or_path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), local_files_only=True)
     model.eval()
+    linear.install(model)  # a decode step's linears through the batch-invariant kernel (`kvstrata.hf.linear`)
     if ced_plan(model.config.get_text_config(decoder=True)) is not None:
         return wrap(model, path)  # an encoder-decoder directory (`kvstrata.models.ced.store`)
     return model

@@ -4,12 +4,14 @@ store, requests joining and leaving mid-batch, prefill chunks sharing steps with
 every store codec and `;sliding=` recipes, on tiny Llama and tiny Gemma-3; a row that fails fails
 alone; the KV budget holds requests back rather than exceeding it."""
 
+import copy
 import time
 
 import pytest
 import torch
 from serve_helpers import Harness, answer, generate_disagreements, generated, prompt, scenario
 
+from kvstrata.hf import linear
 from kvstrata.hf.batch import Row, batched_forward
 from kvstrata.hf.cache import CompressedCache
 from kvstrata.methods import METHODS
@@ -52,6 +54,19 @@ def test_batched_answers_equal_unbatched_ones(arch, spec, tiny_llama, tiny_gemma
     assert kinds[7:] == (["replay"] * 2 if arch == "gemma3" else ["hit"] * 2)  # Llama has no SWA state
     # `kvstrata generate` cuts and seals a prompt where the server does, and a replay reruns the cold
     # run's chunks, so every lossy cache holds the same codes: the answers are its answers
+    assert generate_disagreements(model, spec, batched) == []
+
+
+@pytest.mark.skipif(linear.kernel() is None, reason="linear_rows needs an AVX-512 build")
+@pytest.mark.parametrize("spec", ["bf16", "nvfp4;sliding=fp8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_answers_equal_unbatched_and_generate_on_the_kernels_linears(arch, spec, tiny_llama,
+                                                                             tiny_gemma, tmp_path):
+    """What `kvstrata.models.load` gives a served model: its linears on `linear_rows` at a step's few rows."""
+    model = copy.deepcopy(tiny_llama if arch == "llama" else tiny_gemma)
+    assert linear.install(model) > 0
+    batched = scenario(model, spec, tmp_path / "b", batching=True)
+    assert batched == scenario(model, spec, tmp_path / "u", batching=False)
     assert generate_disagreements(model, spec, batched) == []
 
 

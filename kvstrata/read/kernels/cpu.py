@@ -27,7 +27,7 @@ from kvstrata.codecs import nvfp4
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("codes.h", "encode.h", "fused.h", "linalg.h", "topk.h"))
+                for name in ("codes.h", "encode.h", "fused.h", "linalg.h", "linear.h", "topk.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # the instruction sets a build can be held to (GCC drops every extension built on the one removed)
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"],

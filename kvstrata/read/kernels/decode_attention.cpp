@@ -10,6 +10,7 @@
 #include "encode.h"
 #include "fused.h"
 #include "linalg.h"
+#include "linear.h"
 #include "topk.h"
 
 #include <ATen/Parallel.h>
@@ -324,5 +325,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
   m.def("topk_positions", &topk_positions, "the k best index positions per KV head (sparse reads)");
   m.def("decode_attention_varlen", &decode_attention_varlen, "decode attention for many sequences in one call");
+  m.def("linear_rows", &kv::linear_rows, "y = x w^T + b for a decode step's few rows, batch-invariant");
+  m.def("linear_rows_ok", &kv::linear_rows_ok, "whether this build computes linear_rows");
   m.def("encode_nvfp4", &kv::encode_nvfp4, "NVFP4 blocks -> (E2M1 codes, E4M3 scales), as the PyTorch codec encodes them");
 }

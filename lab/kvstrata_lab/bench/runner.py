@@ -13,6 +13,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from kvstrata.hf import linear
 from kvstrata.methods import parse_method
 from kvstrata.models import load
 from kvstrata.read.kernels import cpu
@@ -111,6 +112,7 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg, s
     pre = protocol.prefill(model, ids)
     base["prefill_s"] = pre.seconds
     base["dtype"] = cfg.dtype
+    base["linear"] = linear.in_use(model)  # torch's linear layers or the kernel's (`kvstrata.hf.linear`)
     rows = []
     ref = None
     if task in FIDELITY:

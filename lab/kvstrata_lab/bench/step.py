@@ -9,6 +9,7 @@ linear layers at N tokens against 1, the cache append, the encode, the kernel ar
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import io
 import json
@@ -21,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from kvstrata.codecs import nvfp4
-from kvstrata.hf import CompressedCache
+from kvstrata.hf import CompressedCache, linear
 from kvstrata.hf.batch import Row, batched_forward
 from kvstrata.models.loader import load
 
@@ -69,26 +70,35 @@ def measure(model, method: str, rows: int, prompt: int, rounds: int, steps: int,
             "profile": text.getvalue()}
 
 
+@contextlib.contextmanager
+def _python_encode():
+    saved = nvfp4._native
+    nvfp4._native = lambda x: None
+    try:
+        yield
+    finally:
+        nvfp4._native = saved
+
+
 def run(model_name: str, methods: list[str], rows: int, prompt: int, rounds: int, steps: int, out: Path,
-        dtype: str = "float32", python_encode: bool = False) -> Path:
-    """Every method (and with `python_encode`, each NVFP4 one again with the PyTorch encode instead of
-    the C++ one: the same codes, the cost apart), into `<out>/<model>.{json,md}`."""
+        dtype: str = "float32", python_encode: bool = False, torch_linear: bool = False) -> Path:
+    """Every method, and with `python_encode` each NVFP4 one again with the PyTorch encode instead of
+    the C++ one (the same codes, the cost apart), with `torch_linear` each one again with torch's
+    linear layers instead of the kernel's (`kvstrata.hf.linear`), into `<out>/<model>.{json,md}`."""
     model, _ = load(model_name, dtype)
     out.mkdir(parents=True, exist_ok=True)
-    cells = [(m, False) for m in methods]
+    cells = [(m, "", contextlib.nullcontext) for m in methods]
     if python_encode:
-        cells += [(m, True) for m in methods if m.split(":")[0].split("+")[0] == "nvfp4"]
+        cells += [(m, " (PyTorch encode)", _python_encode) for m in methods
+                  if m.split(":")[0].split("+")[0] == "nvfp4"]
+    if torch_linear:
+        cells += [(m, " (torch linear)", lambda: linear.torch_linears(model)) for m in methods]
     results = []
-    for method, slow in tqdm(cells, desc="step-bench", unit="cell"):
-        saved = nvfp4._native
-        if slow:
-            nvfp4._native = lambda x: None
-        try:
+    for method, label, scope in tqdm(cells, desc="step-bench", unit="cell"):
+        with scope():
             got = measure(model, method, rows, prompt, rounds, steps)
-        finally:
-            nvfp4._native = saved
-        results.append(dict(got, method=method + (" (PyTorch encode)" if slow else ""), model=model_name,
-                            dtype=dtype, threads=torch.get_num_threads()))
+        results.append(dict(got, method=method + label, model=model_name, dtype=dtype,
+                            threads=torch.get_num_threads()))
     stem = out / model_name
     stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     lines = [f"# step-bench: {model_name} ({dtype}, {torch.get_num_threads()} threads)\n",

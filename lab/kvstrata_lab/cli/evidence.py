@@ -115,6 +115,8 @@ def register(sub) -> None:
     st.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and activations")
     st.add_argument("--python-encode", action="store_true",
                     help="also time each NVFP4 method with the PyTorch encode (the same codes)")
+    st.add_argument("--torch-linear", action="store_true",
+                    help="also time each method with torch's linear layers instead of the kernel's")
     st.add_argument("--out", default="docs/results/step")
     st.set_defaults(func=cmd_step_bench)
 
@@ -315,7 +317,7 @@ def cmd_step_bench(args) -> int:
     for m in methods:
         check_method(args.model, m)
     path = step.run(args.model, methods, args.rows, args.prompt_tokens, args.rounds, args.steps,
-                    Path(args.out), args.dtype, args.python_encode)
+                    Path(args.out), args.dtype, args.python_encode, args.torch_linear)
     print(f"results: {path}")
     return 0
 

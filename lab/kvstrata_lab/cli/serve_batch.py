@@ -9,6 +9,7 @@ import shlex
 import sys
 
 from kvstrata.cli.inputs import BIG, SEED, field_default, int_in, nonempty
+from kvstrata.settings import DTYPES
 from kvstrata_lab.serve_bench.config import BatchBenchConfig
 
 
@@ -70,6 +71,8 @@ def register(sub) -> None:
     s.add_argument("--peer", choices=["llama-server"], default=None,
                    help="also run the levels against llama.cpp's llama-server (-np = streams) on the GGUF "
                         "the model is converted from, in the same run (built once: make llamacpp)")
+    s.add_argument("--dtype", choices=DTYPES, default=default("dtype"),
+                   help="our servers' weights and activations (results go to <model>-<dtype> unless float32)")
     s.add_argument("--seed", type=SEED, default=default("seed"))
     s.add_argument("--out", default=default("out"), type=nonempty)
     s.set_defaults(func=run)
@@ -99,6 +102,7 @@ def run(args) -> int:
         peer=args.peer or "",
         seed=args.seed,
         out=args.out,
+        dtype=args.dtype,
     )
     result = bench(cfg, command="kvstrata " + shlex.join(sys.argv[1:]))
     print(json.dumps(result["summary"], indent=1))

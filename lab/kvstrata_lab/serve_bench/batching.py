@@ -160,6 +160,8 @@ def _server(cfg: BatchBenchConfig, root: Path, name: str, method: str, *args: st
         "256",
         "--request-timeout",
         "3600",
+        "--dtype",
+        cfg.dtype,
         *args,
         env={"KVSTRATA_STORE_ROOT": str(root / name)},
         log_path=root / f"{name}.log",
@@ -242,7 +244,8 @@ def run(cfg: BatchBenchConfig, command: str = "") -> dict:
     result["summary"] = summarize(result)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = Path(cfg.model).name  # a known model's name, or a model directory's last part
+    stem = Path(cfg.model).name  # a known model's name, or a model directory's last part (and the dtype)
+    stem += "" if cfg.dtype == "float32" else f"-{cfg.dtype}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text(render(result))
     return result
@@ -316,7 +319,7 @@ def _peer_lines(result: dict) -> list[str]:
 def render(result: dict) -> str:
     cfg = result["config"]
     lines = [
-        f"# serve batching: {cfg['model']}",
+        f"# serve batching: {cfg['model']} ({cfg.get('dtype', 'float32')} weights)",
         "",
         f"`{result['command']}`" if result["command"] else "",
         "",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvstrata.settings import DTYPES
+
 #: `serve-bench --peer`: the other servers the same workload runs against ("" for none)
 SERVE_PEERS = ("", "llama-server", "vllm")
 
@@ -55,6 +57,7 @@ class BatchBenchConfig:
     peer: str = ""  # "llama-server": the same levels against llama.cpp's server, `-np` = the streams
     seed: int = 0
     out: str = "docs/results/serve-batching"
+    dtype: str = "float32"  # our servers' weights and activations (`kvstrata serve --dtype`)
 
     def __post_init__(self):
         for name in (
@@ -71,6 +74,8 @@ class BatchBenchConfig:
             raise ValueError("streams must be counts >= 1 and methods non-empty")
         if self.peer not in ("", "llama-server"):
             raise ValueError(f"unknown serve-batch-bench peer {self.peer!r} (known: llama-server)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 #: `kvstrata vllm-bench`'s rows: vLLM alone (its own prefix cache), vLLM's example connector (raw

@@ -2,14 +2,18 @@
 
 import json
 
+from kvstrata.models import loader
 from kvstrata_lab.bench import step
 
 
-def test_step_bench_times_both_row_counts_and_profiles_the_batched_step(tmp_path):
+def test_step_bench_times_both_row_counts_and_profiles_the_batched_step(tmp_path, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(step, "load", lambda *a: loaded.append(loader.load(*a)) or loaded[-1])
     md = step.run("tiny-llama", ["bf16", "nvfp4"], rows=3, prompt=20, rounds=2, steps=2, out=tmp_path,
-                  python_encode=True)
+                  python_encode=True, torch_linear=True)
     rows = json.loads((tmp_path / "tiny-llama.json").read_text())
-    assert [r["method"] for r in rows] == ["bf16", "nvfp4", "nvfp4 (PyTorch encode)"]
+    assert [r["method"] for r in rows] == ["bf16", "nvfp4", "nvfp4 (PyTorch encode)", "bf16 (torch linear)",
+                                           "nvfp4 (torch linear)"]
     for r in rows:
         assert len(r["rounds"]["1"]) == len(r["rounds"]["3"]) == 2
         assert r["ms_1"] > 0 and r["ms_3"] > 0
@@ -20,3 +24,9 @@ def test_step_bench_times_both_row_counts_and_profiles_the_batched_step(tmp_path
     from kvstrata.codecs import nvfp4
 
     assert nvfp4._native.__name__ == "_native"  # the C++ encode is back after the PyTorch-encode cell
+    from kvstrata.hf import linear
+
+    if linear.kernel() is not None:  # and the kernel's linears after the torch-linear cells
+        model, _ = loaded[0]
+        installed = [m for m in model.modules() if isinstance(m, linear.RowsLinear)]
+        assert installed and all(m._rows for m in installed)

@@ -77,3 +77,5 @@ def test_unknown_peer_is_refused_by_the_config():
         ServeBenchConfig(peer="sglang")
     with pytest.raises(ValueError, match="unknown serve-batch-bench peer 'vllm'"):
         BatchBenchConfig(peer="vllm")
+    with pytest.raises(ValueError, match="dtype must be one of float32, bf16, got 'fp16'"):
+        BatchBenchConfig(dtype="fp16")
