@@ -54,7 +54,7 @@ class RowsLinear(nn.Linear):
     _rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._rows and x.device.type == "cpu" and x.dtype == self.weight.dtype
+        if (self._rows and _KERNEL and x.device.type == "cpu" and x.dtype == self.weight.dtype
                 and x.dtype in (torch.float32, torch.bfloat16)
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             if x.numel() <= ROWS * self.in_features:
@@ -95,5 +95,5 @@ def torch_linears(model: nn.Module):
     try:
         yield
     finally:
-        for layer, module in saved:
-            layer._rows = module
+        for layer, flag in saved:
+            layer._rows = flag

@@ -87,6 +87,10 @@ def test_an_installed_model_decodes_as_torchs_linears_do_and_keeps_its_state(tin
         calls.clear()
         forward(model, ids[:, :1], CompressedCache(model.config, "bf16"))
         assert calls and all(shape[-2] == 1 for shape in calls)
+        monkeypatch.setattr(linear, "_KERNEL", [])  # a model unpickled where nothing was installed
+        calls.clear()
+        forward(model, ids[:, :1], CompressedCache(model.config, "bf16"))
+        assert not calls
         assert copy.deepcopy(model) is not model  # nothing unpicklable hangs on the modules
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
