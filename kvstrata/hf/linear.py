@@ -82,8 +82,10 @@ def install(model: nn.Module) -> int:
 
 
 def in_use(model: nn.Module) -> str:
-    """`kernel` when `model`'s linears go through the kernel, else `torch` (bench rows record it)."""
-    return "kernel" if any(getattr(layer, "_rows", False) for layer in model.modules()) else "torch"
+    """`kernel` when `model`'s linears go through the kernel (as `RowsLinear.forward` decides), else
+    `torch` (bench rows record it)."""
+    routed = any(getattr(layer, "_rows", False) for layer in model.modules())
+    return "kernel" if _KERNEL and routed else "torch"
 
 
 @contextlib.contextmanager

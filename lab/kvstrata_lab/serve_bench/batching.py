@@ -25,8 +25,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from kvstrata.hf import linear
 from kvstrata.models import check_method, load_config, load_tokenizer
 from kvstrata.serve.scheduler import kv_rate
+from kvstrata.settings import DTYPES
 from kvstrata_lab.serve_bench.agents import Scripts
 from kvstrata_lab.serve_bench.bench import _stream
 from kvstrata_lab.serve_bench.config import BatchBenchConfig
@@ -206,7 +208,9 @@ def run(cfg: BatchBenchConfig, command: str = "") -> dict:
     prompts = _Prompts(cfg)
     root = Path(tempfile.mkdtemp(prefix="kvstrata-batch-bench-"))
     budget = budget_bytes(cfg)
-    result: dict = {"config": asdict(cfg), "command": command, "budget_bytes": budget, "methods": {}}
+    result: dict = {"config": asdict(cfg), "command": command, "budget_bytes": budget, "methods": {},
+                    # the servers' linear layers (they load the model as this process would, same env)
+                    "linear": "kernel" if linear.kernel() is not None else "torch"}
     top = max([*cfg.streams, cfg.probe_streams])
     try:
         for method in cfg.methods:
@@ -245,7 +249,7 @@ def run(cfg: BatchBenchConfig, command: str = "") -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = Path(cfg.model).name  # a known model's name, or a model directory's last part (and the dtype)
-    stem += "" if cfg.dtype == "float32" else f"-{cfg.dtype}"
+    stem += "" if cfg.dtype == DTYPES[0] else f"-{cfg.dtype}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text(render(result))
     return result
@@ -323,7 +327,8 @@ def render(result: dict) -> str:
         "",
         f"`{result['command']}`" if result["command"] else "",
         "",
-        f"{cfg['requests']} requests per stream (at least {cfg.get('level_requests', 0)} per level), "
+        (f"Linear layers: {result['linear']} (`kvstrata.hf.linear`). " if "linear" in result else "")
+        + f"{cfg['requests']} requests per stream (at least {cfg.get('level_requests', 0)} per level), "
         f"{cfg['prompt_tokens']}-token prompts, {cfg['max_tokens']} "
         "tokens each, greedy, store off.",
         "",

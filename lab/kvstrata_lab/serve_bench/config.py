@@ -57,7 +57,7 @@ class BatchBenchConfig:
     peer: str = ""  # "llama-server": the same levels against llama.cpp's server, `-np` = the streams
     seed: int = 0
     out: str = "docs/results/serve-batching"
-    dtype: str = "float32"  # our servers' weights and activations (`kvstrata serve --dtype`)
+    dtype: str = DTYPES[0]  # our servers' weights and activations (`kvstrata serve --dtype`)
 
     def __post_init__(self):
         for name in (
