@@ -152,6 +152,8 @@ class CompressedLayer(CacheLayerMixin):
                 self._set(DECODE)
         if not attend:
             return None, None, None
+        if view is not None and self.keys.shape[-2] == past_k.shape[-2] + 1:  # the tail is just that
+            return self.keys, self.values, view  # (nothing writes into the tail in place)
         # New tokens are attended in full precision now; later steps read them encoded
         return torch.cat([past_k, attend_k], dim=-2), torch.cat([past_v, attend_v], dim=-2), view
 

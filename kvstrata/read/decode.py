@@ -141,7 +141,8 @@ def _tail(t: torch.Tensor):
 
 
 def kernel_args(view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor):
-    """The C++ kernel's flattened run descriptors for K and V."""
+    """The C++ kernel's run descriptors for K and V: per side its parts (3 per run), its meta (5 ints
+    per run, flat) and its tensor scales, as plain lists (no tensor is built per step)."""
     d = tail_k.shape[-1]
     out = []
     for which in (0, 1):
@@ -149,13 +150,13 @@ def kernel_args(view: EncodedView, tail_k: torch.Tensor, tail_v: torch.Tensor):
         for run in view.runs:
             p, m, s = _describe(run[which], view.key_channel and which == 0, run[2], d)
             parts += p
-            meta.append(m)
+            meta += m
             ts.append(s)
         p, m, s = _tail(tail_k if which == 0 else tail_v)
         parts += p
-        meta.append(m)
+        meta += m
         ts.append(s)
-        out += [parts, torch.tensor(meta, dtype=torch.int64), torch.tensor(ts, dtype=torch.float32)]
+        out += [parts, meta, ts]
     return out
 
 

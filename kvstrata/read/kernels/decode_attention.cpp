@@ -142,8 +142,11 @@ std::vector<Tile> dense_tiles(const std::vector<Run>& K) {
 // One sequence's attention problem: its runs, tiles and work split. A varlen call holds one per
 // request; each is split exactly as a single call would split it, so every row's result is the
 // single-request kernel's, bit for bit.
+using Ints = std::vector<int64_t>;  // run descriptors come as Python lists: no tensor built per step
+using Floats = std::vector<double>;
+
 struct Problem {
-  torch::Tensor q, km, vm, kt, vt, idx, bias, out;
+  torch::Tensor q, idx, bias, out;
   std::vector<Run> K, V;
   std::vector<int64_t> starts;  // logical position where each run's visible tokens begin
   std::vector<Tile> all;        // dense tiles (empty when sparse)
@@ -156,30 +159,27 @@ struct Problem {
 };
 
 // q: [B, Hq, d] float32; parts: 3 tensors per run (codes, scales, mins; undefined/empty when unused);
-// meta: int64 [runs, 5] (kind, channel, length, skip, block); tscale: float32 [runs]; K and V runs
+// meta: 5 ints per run, flat (kind, channel, length, skip, block); tscale: one per run; K and V runs
 // pair up (same tokens). idx: int64 [B, Hk, m] logical positions over the visible tokens of the runs
 // in order (sorted), or empty for every token. bias: float32 [B, Hq, visible tokens] added to the
 // scores before scaling (outlier key channels kept apart), or empty.
-void prepare(Problem& p, const torch::Tensor& q, const std::vector<torch::Tensor>& kparts, const torch::Tensor& kmeta,
-             const torch::Tensor& kts, const std::vector<torch::Tensor>& vparts, const torch::Tensor& vmeta,
-             const torch::Tensor& vts, const torch::Tensor& idx, const torch::Tensor& bias, int threads) {
+void prepare(Problem& p, const torch::Tensor& q, const std::vector<torch::Tensor>& kparts, const Ints& kmeta,
+             const Floats& kts, const std::vector<torch::Tensor>& vparts, const Ints& vmeta, const Floats& vts,
+             const torch::Tensor& idx, const torch::Tensor& bias, int threads) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q must be contiguous float32 [B, Hq, d]");
   p.q = q;
   p.B = q.size(0);
   p.Hq = q.size(1);
   p.d = (int)q.size(2);
   TORCH_CHECK(p.d <= MAX_DIM, "head_dim too large");
-  p.km = kmeta.contiguous();
-  p.vm = vmeta.contiguous();
-  p.kt = kts.contiguous();
-  p.vt = vts.contiguous();
-  const int64_t nruns = p.km.size(0);
-  TORCH_CHECK(p.vm.size(0) == nruns && (int64_t)kparts.size() == 3 * nruns && (int64_t)vparts.size() == 3 * nruns,
-              "K and V need the same runs");
+  const int64_t nruns = (int64_t)kts.size();
+  TORCH_CHECK((int64_t)kmeta.size() == 5 * nruns && (int64_t)vmeta.size() == 5 * nruns && (int64_t)vts.size() == nruns &&
+                  (int64_t)kparts.size() == 3 * nruns && (int64_t)vparts.size() == 3 * nruns,
+              "K and V need the same runs: 3 parts, 5 meta ints and 1 scale each");
   p.dp = p.d;
   for (int64_t i = 0; i < nruns; i++) {
-    p.K.push_back(make_run(kparts, p.km.data_ptr<int64_t>() + 5 * i, p.kt.data_ptr<float>()[i], i));
-    p.V.push_back(make_run(vparts, p.vm.data_ptr<int64_t>() + 5 * i, p.vt.data_ptr<float>()[i], i));
+    p.K.push_back(make_run(kparts, kmeta.data() + 5 * i, (float)kts[i], i));
+    p.V.push_back(make_run(vparts, vmeta.data() + 5 * i, (float)vts[i], i));
     for (const Run* r : {&p.K.back(), &p.V.back()})
       if (!r->channel && r->block > 0) p.dp = std::max(p.dp, (int)((p.d + r->block - 1) / r->block * r->block));
   }
@@ -278,8 +278,8 @@ torch::Tensor merge(const Problem& p) {
 }  // namespace
 
 // One sequence (see `prepare` for the arguments). Returns [B, Hq, d] float32.
-torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kparts, torch::Tensor kmeta, torch::Tensor kts,
-                               std::vector<torch::Tensor> vparts, torch::Tensor vmeta, torch::Tensor vts, double scaling,
+torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kparts, Ints kmeta, Floats kts,
+                               std::vector<torch::Tensor> vparts, Ints vmeta, Floats vts, double scaling,
                                double softcap, torch::Tensor idx, torch::Tensor bias) {
   Problem p;
   prepare(p, q, kparts, kmeta, kts, vparts, vmeta, vts, idx, bias, at::get_num_threads());
@@ -293,9 +293,9 @@ torch::Tensor decode_attention(torch::Tensor q, std::vector<torch::Tensor> kpart
 // (as `decode_attention` takes them); one parallel pass over every sequence's work items, so short
 // and long requests share the threads and nothing is padded. Returns one [B, Hq, d] per sequence.
 std::vector<torch::Tensor> decode_attention_varlen(
-    std::vector<torch::Tensor> qs, std::vector<std::vector<torch::Tensor>> kparts, std::vector<torch::Tensor> kmeta,
-    std::vector<torch::Tensor> kts, std::vector<std::vector<torch::Tensor>> vparts, std::vector<torch::Tensor> vmeta,
-    std::vector<torch::Tensor> vts, double scaling, double softcap, std::vector<torch::Tensor> idx,
+    std::vector<torch::Tensor> qs, std::vector<std::vector<torch::Tensor>> kparts, std::vector<Ints> kmeta,
+    std::vector<Floats> kts, std::vector<std::vector<torch::Tensor>> vparts, std::vector<Ints> vmeta,
+    std::vector<Floats> vts, double scaling, double softcap, std::vector<torch::Tensor> idx,
     std::vector<torch::Tensor> bias) {
   const size_t n = qs.size();
   TORCH_CHECK(kparts.size() == n && kmeta.size() == n && kts.size() == n && vparts.size() == n && vmeta.size() == n &&
