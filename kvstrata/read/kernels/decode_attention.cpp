@@ -73,8 +73,10 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
     const int n = tile.n;
     // scores s[g * TILE + i]
     if (kr.channel) {
-      decode_channel_tile(kr, b, h, tile.row, n, d, kbuf.data());
-      channel_scores(q, G, d, kbuf.data(), n, s.data());
+      if (!channel_scores_from_codes(kr, b, h, tile.row, n, d, q, G, s.data())) {
+        decode_channel_tile(kr, b, h, tile.row, n, d, kbuf.data());
+        channel_scores(q, G, d, kbuf.data(), n, s.data());
+      }
     } else if (fusable(kr, d, G)) {
       scores_from_codes(kr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, q, G, s.data());
     } else {

@@ -206,6 +206,82 @@ inline void fused_accumulate_d(const Run& r, int64_t b, int64_t h, const int64_t
 }
 #endif
 
+#if KV_AVX512
+// channel_scores over up to NB 16-token chunks of channel-grouped INT4 / INT2 keys decoded in
+// registers: channel c's chunk j is `int_codes16 * scale + min` (decode_channel_group's
+// instructions), decoded once for all GG heads, and feeds the same FMAs in the same order as
+// channel_scores_tile, so the scores equal the buffered path's bit for bit; no [d, TILE] buffer is
+// written and read back.
+template <int GG, int NB>
+inline void channel_scores_codes(const Run& r, int64_t b, int64_t h, int64_t t0, int nb, int d, int bits,
+                                 const float* q, float* s) {
+  __m512 acc[GG][NB];
+  for (int g = 0; g < GG; g++)
+    for (int j = 0; j < NB; j++) acc[g][j] = _mm512_setzero_ps();
+  const uint8_t* cb = r.codes + b * r.cs[0] + h * r.cs[1];
+  const uint8_t* sb = r.scales + b * r.ss[0] + h * r.ss[1];
+  const uint8_t* mb = r.mins + b * r.ms[0] + h * r.ms[1];
+  for (int c = 0; c < d; c++) {
+    __m512 k[NB];
+    for (int j = 0; j < NB; j++) {
+      if (j >= nb) {
+        k[j] = _mm512_setzero_ps();
+        continue;
+      }
+      const int64_t t = t0 + 16 * j, blk = t / r.block;
+      const float scale = half_to_float(*reinterpret_cast<const uint16_t*>(sb + c * r.ss[2] + blk * r.ss[3]));
+      const float lo = half_to_float(*reinterpret_cast<const uint16_t*>(mb + c * r.ms[2] + blk * r.ms[3]));
+      k[j] = _mm512_fmadd_ps(int_codes16(cb + c * r.cs[2] + blk * r.cs[3], bits, (int)(t % r.block)),
+                             _mm512_set1_ps(scale), _mm512_set1_ps(lo));
+    }
+    for (int g = 0; g < GG; g++) {
+      const __m512 qv = _mm512_set1_ps(q[g * d + c]);
+      for (int j = 0; j < NB; j++) acc[g][j] = _mm512_fmadd_ps(qv, k[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GG; g++)
+    for (int j = 0; j < nb; j++) _mm512_storeu_ps(s + g * TILE + 16 * j, acc[g][j]);
+}
+#endif
+
+// The scores of a channel-grouped key tile [t0, t0 + n) from its codes, when this build reads codes in
+// registers, the tile is whole 16-token chunks of INT4 / INT2 codes (each chunk inside one group) and
+// G <= 8: up to 4 heads over the whole tile at once, 5-8 heads over half of it at a time (their
+// accumulators stay in registers; each chunk is decoded once either way). False: the caller decodes
+// the tile (decode_channel_tile) and scores the buffer.
+__attribute__((noinline)) bool channel_scores_from_codes(const Run& r, int64_t b, int64_t h, int64_t t0, int n, int d,
+                                                         const float* q, int G, float* s) {
+#if KV_AVX512
+  const int bits = int_bits(r.kind);
+  if (!READS_IN_REGISTERS || bits == 3 || G > 8 || n % 16 || n > TILE || t0 % 16 || r.block % 16) return false;
+  const int nb = n / 16;
+  if (G <= 4) {
+    switch (G) {
+      case 1: channel_scores_codes<1, 4>(r, b, h, t0, nb, d, bits, q, s); break;
+      case 2: channel_scores_codes<2, 4>(r, b, h, t0, nb, d, bits, q, s); break;
+      case 3: channel_scores_codes<3, 4>(r, b, h, t0, nb, d, bits, q, s); break;
+      default: channel_scores_codes<4, 4>(r, b, h, t0, nb, d, bits, q, s);
+    }
+    return true;
+  }
+  for (int j0 = 0; j0 < nb; j0 += 2) {
+    const int m = std::min(2, nb - j0);
+    const int64_t t = t0 + 16 * j0;
+    float* sj = s + 16 * j0;
+    switch (G) {
+      case 5: channel_scores_codes<5, 2>(r, b, h, t, m, d, bits, q, sj); break;
+      case 6: channel_scores_codes<6, 2>(r, b, h, t, m, d, bits, q, sj); break;
+      case 7: channel_scores_codes<7, 2>(r, b, h, t, m, d, bits, q, sj); break;
+      default: channel_scores_codes<8, 2>(r, b, h, t, m, d, bits, q, sj);
+    }
+  }
+  return true;
+#else
+  (void)r, (void)b, (void)h, (void)t0, (void)n, (void)d, (void)q, (void)G, (void)s;
+  return false;
+#endif
+}
+
 // s[g * TILE + i] = q_g . k[i] for every query head of the group over a decoded tile (row stride dp);
 // the same sums as dots() per head.
 __attribute__((noinline)) void dots_group(const float* q, int G, const float* kbuf, int n, int d, int dp, float* s) {

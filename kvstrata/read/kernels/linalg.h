@@ -211,16 +211,22 @@ inline void channel_scores_tile(const float* q, int d, const float* kT, int nb, 
 
 // s[g * TILE + i] = q_g . k_i for a tile of keys held transposed (kT[c * TILE + i], channel c of
 // token i; KIVI keys grouped per channel) and the G query heads q[g * d ..].
+// More than 4 heads go 4 at a time (a head's sums do not depend on the heads beside it).
 inline void channel_scores(const float* q, int G, int d, const float* kT, int n, float* s) {
 #if KV_AVX512
-  if (n % 16 == 0 && n <= TILE && G <= 4) {
+  if (n % 16 == 0 && n <= TILE) {
     const int nb = n / 16;
-    switch (G) {
-      case 1: channel_scores_tile<1>(q, d, kT, nb, s); return;
-      case 2: channel_scores_tile<2>(q, d, kT, nb, s); return;
-      case 3: channel_scores_tile<3>(q, d, kT, nb, s); return;
-      default: channel_scores_tile<4>(q, d, kT, nb, s); return;
+    for (int g0 = 0; g0 < G; g0 += 4) {
+      const float* qg = q + g0 * d;
+      float* sg = s + g0 * TILE;
+      switch (std::min(4, G - g0)) {
+        case 1: channel_scores_tile<1>(qg, d, kT, nb, sg); break;
+        case 2: channel_scores_tile<2>(qg, d, kT, nb, sg); break;
+        case 3: channel_scores_tile<3>(qg, d, kT, nb, sg); break;
+        default: channel_scores_tile<4>(qg, d, kT, nb, sg);
+      }
     }
+    return;
   }
 #endif
   for (int g = 0; g < G; g++) {
