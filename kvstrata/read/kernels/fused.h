@@ -207,12 +207,12 @@ inline void fused_accumulate_d(const Run& r, int64_t b, int64_t h, const int64_t
 #endif
 
 #if KV_AVX512
-// channel_scores over up to NB 16-token chunks of channel-grouped INT4 / INT2 keys decoded in
-// registers: channel c's chunk j is `int_codes16 * scale + min` (decode_channel_group's
+// channel_scores over up to NB 16-token chunks (4 for up to 4 heads, else 2: the GG x NB accumulators
+// stay in registers) of channel-grouped INT4 / INT2 keys decoded in registers: channel c's chunk j is `int_codes16 * scale + min` (decode_channel_group's
 // instructions), decoded once for all GG heads, and feeds the same FMAs in the same order as
 // channel_scores_tile, so the scores equal the buffered path's bit for bit; no [d, TILE] buffer is
 // written and read back.
-template <int GG, int NB>
+template <int GG, int NB = (GG <= 4 ? 4 : 2)>
 inline void channel_scores_codes(const Run& r, int64_t b, int64_t h, int64_t t0, int nb, int d, int bits,
                                  const float* q, float* s) {
   __m512 acc[GG][NB];
@@ -254,25 +254,20 @@ __attribute__((noinline)) bool channel_scores_from_codes(const Run& r, int64_t b
 #if KV_AVX512
   const int bits = int_bits(r.kind);
   if (!READS_IN_REGISTERS || bits == 3 || G > 8 || n % 16 || n > TILE || t0 % 16 || r.block % 16) return false;
-  const int nb = n / 16;
-  if (G <= 4) {
-    switch (G) {
-      case 1: channel_scores_codes<1, 4>(r, b, h, t0, nb, d, bits, q, s); break;
-      case 2: channel_scores_codes<2, 4>(r, b, h, t0, nb, d, bits, q, s); break;
-      case 3: channel_scores_codes<3, 4>(r, b, h, t0, nb, d, bits, q, s); break;
-      default: channel_scores_codes<4, 4>(r, b, h, t0, nb, d, bits, q, s);
-    }
-    return true;
-  }
-  for (int j0 = 0; j0 < nb; j0 += 2) {
-    const int m = std::min(2, nb - j0);
+  const int per = G <= 4 ? 4 : 2;  // chunks per pass (channel_scores_codes' NB)
+  for (int j0 = 0; j0 < n / 16; j0 += per) {
+    const int m = std::min(per, n / 16 - j0);
     const int64_t t = t0 + 16 * j0;
     float* sj = s + 16 * j0;
     switch (G) {
-      case 5: channel_scores_codes<5, 2>(r, b, h, t, m, d, bits, q, sj); break;
-      case 6: channel_scores_codes<6, 2>(r, b, h, t, m, d, bits, q, sj); break;
-      case 7: channel_scores_codes<7, 2>(r, b, h, t, m, d, bits, q, sj); break;
-      default: channel_scores_codes<8, 2>(r, b, h, t, m, d, bits, q, sj);
+      case 1: channel_scores_codes<1>(r, b, h, t, m, d, bits, q, sj); break;
+      case 2: channel_scores_codes<2>(r, b, h, t, m, d, bits, q, sj); break;
+      case 3: channel_scores_codes<3>(r, b, h, t, m, d, bits, q, sj); break;
+      case 4: channel_scores_codes<4>(r, b, h, t, m, d, bits, q, sj); break;
+      case 5: channel_scores_codes<5>(r, b, h, t, m, d, bits, q, sj); break;
+      case 6: channel_scores_codes<6>(r, b, h, t, m, d, bits, q, sj); break;
+      case 7: channel_scores_codes<7>(r, b, h, t, m, d, bits, q, sj); break;
+      default: channel_scores_codes<8>(r, b, h, t, m, d, bits, q, sj);
     }
   }
   return true;
