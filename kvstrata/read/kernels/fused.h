@@ -208,10 +208,11 @@ inline void fused_accumulate_d(const Run& r, int64_t b, int64_t h, const int64_t
 
 #if KV_AVX512
 // channel_scores over up to NB 16-token chunks (4 for up to 4 heads, else 2: the GG x NB accumulators
-// stay in registers) of channel-grouped INT4 / INT2 keys decoded in registers: channel c's chunk j is `int_codes16 * scale + min` (decode_channel_group's
-// instructions), decoded once for all GG heads, and feeds the same FMAs in the same order as
-// channel_scores_tile, so the scores equal the buffered path's bit for bit; no [d, TILE] buffer is
-// written and read back.
+// stay in registers) of channel-grouped INT4 / INT2 keys decoded in registers: channel c's chunk j
+// is `int_codes16 * scale + min` (decode_channel_group's instructions), decoded once for all GG
+// heads, and feeds the same FMAs in the same order as channel_scores_tile, so the scores equal the
+// buffered path's bit for bit; no [d, TILE] buffer is written and read back. One token per tile
+// (a sparse read) takes the buffered path.
 template <int GG, int NB = (GG <= 4 ? 4 : 2)>
 inline void channel_scores_codes(const Run& r, int64_t b, int64_t h, int64_t t0, int nb, int d, int bits,
                                  const float* q, float* s) {
