@@ -139,6 +139,7 @@ class CompressedLayer(CacheLayerMixin):
         key_states, value_states = key_states[..., skip:, :], value_states[..., skip:, :]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
+        joined = self.keys, self.values  # past + new for a view read (skip 0); flushes rebind, never write
         if first:  # the prefill's flush may end on a ragged key group
             self._set(PREFILL)
         if not (first and self.needs_scores()):  # else scored by the attention hook, which calls finish_keep
@@ -152,8 +153,8 @@ class CompressedLayer(CacheLayerMixin):
                 self._set(DECODE)
         if not attend:
             return None, None, None
-        if view is not None and self.keys.shape[-2] == past_k.shape[-2] + 1:  # the tail is just that
-            return self.keys, self.values, view  # (nothing writes into the tail in place)
+        if view is not None:  # a decode step reads the tail as it was plus the new token: `joined`
+            return *joined, view
         # New tokens are attended in full precision now; later steps read them encoded
         return torch.cat([past_k, attend_k], dim=-2), torch.cat([past_v, attend_v], dim=-2), view
 
