@@ -223,17 +223,20 @@ inline void channel_scores_codes(const Run& r, int64_t b, int64_t h, int64_t t0,
   const uint8_t* sb = r.scales + b * r.ss[0] + h * r.ss[1];
   const uint8_t* mb = r.mins + b * r.ms[0] + h * r.ms[1];
   for (int c = 0; c < d; c++) {
-    __m512 k[NB];
+    __m512 k[NB], vs = _mm512_setzero_ps(), vlo = vs;
+    int64_t held = -1;  // the group whose scale and minimum vs / vlo hold (chunks of one group share them)
     for (int j = 0; j < NB; j++) {
       if (j >= nb) {
         k[j] = _mm512_setzero_ps();
         continue;
       }
       const int64_t t = t0 + 16 * j, blk = t / r.block;
-      const float scale = half_to_float(*reinterpret_cast<const uint16_t*>(sb + c * r.ss[2] + blk * r.ss[3]));
-      const float lo = half_to_float(*reinterpret_cast<const uint16_t*>(mb + c * r.ms[2] + blk * r.ms[3]));
-      k[j] = _mm512_fmadd_ps(int_codes16(cb + c * r.cs[2] + blk * r.cs[3], bits, (int)(t % r.block)),
-                             _mm512_set1_ps(scale), _mm512_set1_ps(lo));
+      if (blk != held) {
+        vs = _mm512_set1_ps(half_to_float(*reinterpret_cast<const uint16_t*>(sb + c * r.ss[2] + blk * r.ss[3])));
+        vlo = _mm512_set1_ps(half_to_float(*reinterpret_cast<const uint16_t*>(mb + c * r.ms[2] + blk * r.ms[3])));
+        held = blk;
+      }
+      k[j] = _mm512_fmadd_ps(int_codes16(cb + c * r.cs[2] + blk * r.cs[3], bits, (int)(t % r.block)), vs, vlo);
     }
     for (int g = 0; g < GG; g++) {
       const __m512 qv = _mm512_set1_ps(q[g * d + c]);
