@@ -20,6 +20,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from kvstrata.codecs.blocks import check_finite
 from kvstrata.read.indexers import (
     INDEXERS,
     held,
@@ -148,6 +149,18 @@ def _kept(kept: dict, layer: int, tag, stable: int, empty):
     return entry[1], entry[2]
 
 
+def _room(buf: torch.Tensor | None, kept: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """`buf` if it has room for `n` rows, else a buffer twice its size (at least `n` rows, shaped and
+    typed as `like` but for its rows) holding its first `kept` rows."""
+    if buf is not None and buf.shape[-2] >= n:
+        return buf
+    rows = max(n, 2 * (0 if buf is None else buf.shape[-2]))
+    grown = like.new_empty(*like.shape[:-2], rows, like.shape[-1])
+    if kept:
+        grown[..., :kept, :] = buf[..., :kept, :]
+    return grown
+
+
 def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> torch.Tensor:
     """`fn` over every row of `src`. `fn` acts row by row, so its rows below `stable` are kept in
     `kept[layer]` = (tag, stable, buffer) and reused while `tag` holds (None: keep nothing); later
@@ -156,13 +169,7 @@ def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> 
     n = src.shape[-2]
     done, buf = _kept(kept, layer, tag, stable, None)
     new = fn(src[..., done:, :])
-    if buf is None or buf.shape[-2] < n:
-        grown = new.new_empty(
-            *new.shape[:-2], max(n, 2 * (0 if buf is None else buf.shape[-2])), new.shape[-1]
-        )
-        if done:
-            grown[..., :done, :] = buf[..., :done, :]
-        buf = grown
+    buf = _room(buf, done, n, new)
     buf[..., done:n, :] = new
     if tag is not None:
         kept[layer] = (tag, stable, buf)
@@ -199,9 +206,37 @@ def _held_rows(state: ReadState, layer: int, rows: torch.Tensor, prefix: Stable)
     if state.cfg.indexer != "lowrank" or not rows.shape[-2]:
         return rows
     generation, stable = prefix if prefix is not None else (None, 0)
+    module = _native_index(rows)
+    if module is not None:
+        return _held_native(module, state, layer, rows, generation, stable)
     scale = held_scale(_amax(state.amax, layer, generation, stable, rows))
     tag = None if generation is None else (generation, scale.item())
     return _extend(state.held, layer, tag, stable, lambda x: held("lowrank", x, scale), rows)
+
+
+def _native_index(rows: torch.Tensor):
+    """The C++ module that keeps `rows` held in place (float32 on the CPU, the kernel built), or None."""
+    return cpu.load() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
+
+
+def _held_native(module, state: ReadState, layer: int, rows: torch.Tensor, generation,
+                 stable: int) -> torch.Tensor:
+    """`_held_rows` kept up in place by the C++ kernel (`hold_lowrank`: one call, the same rows,
+    largest magnitude and scale as the PyTorch path): rows held under the scale they were rounded at
+    are kept while it and the generation hold, the buffer grows by doubling."""
+    n = rows.shape[-2]
+    counted, top = _kept(state.amax, layer, generation, stable, 0.0)
+    entry = state.held.get(layer) if generation is not None else None
+    ok = entry is not None and entry[0][0] == generation and entry[1] <= stable
+    kept, scale, buf = (entry[1], entry[0][1], entry[2]) if ok else (0, -1.0, entry and entry[2])
+    buf = _room(buf, kept, n, rows)
+    top, scale, first = module.hold_lowrank(rows, buf, counted, stable, n, float(top), kept, scale)
+    if first < 0:
+        check_finite(rows, "nvfp4")  # a row is not finite: refused as the codec refuses it
+    if generation is not None:
+        state.amax[layer] = (generation, stable, top)
+        state.held[layer] = ((generation, scale), stable, buf)
+    return buf[..., :n, :]
 
 
 def build_index(state: ReadState, layer: int, k: torch.Tensor, prefix: Stable) -> None:
@@ -225,17 +260,18 @@ def _scores(
     return score(indexer, q, _held_rows(state, layer, rows, prefix), basis)
 
 
-def _kernel_top(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, prefix: Stable, lo: int,
-                hi: int) -> torch.Tensor | None:
-    """The Full layer's top-k over positions [lo, hi) scored and selected in the C++ kernel
-    (ascending), or None where it does not apply (no kernel, hierarchical, Reindex candidates)."""
+def _kernel_read(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor, prefix: Stable, lo: int,
+                 hi: int, end: int) -> torch.Tensor | None:
+    """What the Full layer reads, scored and selected in the C++ kernel: per KV head, ascending, the
+    sinks [0, lo), the top-k of [lo, hi) and the window [hi, end); or None where it does not apply
+    (no kernel, hierarchical, Reindex candidates)."""
     cfg = state.cfg
     module = cpu.load() if q.device.type == "cpu" and not cfg.hier and not state.reindexes else None
     if module is None:
         return None
     rows = _held_rows(state, layer, _raw_rows(state, layer, k, prefix), prefix).float()
     qs = queries(cfg.indexer, q, rows.shape[1], state.bases.get(layer)).contiguous()
-    return module.topk_positions(qs, rows, cfg.k, lo, hi, relu_sum(cfg.indexer))
+    return module.read_positions(qs, rows, cfg.k, lo, hi, end, relu_sum(cfg.indexer))
 
 
 def select(
@@ -247,9 +283,9 @@ def select(
     kb, vb, ib = state.rows(layer)  # one K row, one V row, one index-key row (per KV head)
     sinks = min(cfg.sinks, n)
     recent = max(sinks, n - cfg.window)
-    fixed = torch.cat([torch.arange(sinks), torch.arange(recent, n)])  # sinks + recent window, disjoint
     middle = recent - sinks
     mode = state.modes[layer]
+    idx = None
     if mode == "F":
         state.steps_seen += 1
         if cfg.k >= middle:  # everything fits: no index scan needed
@@ -258,7 +294,8 @@ def select(
         else:
             state.bytes_read += n * heads * ib
             indexed = _head(k, recent, prefix)  # the recent window is read anyway: no index rows needed
-            top, cand = _kernel_top(state, layer, q, indexed, prefix, sinks, recent), None
+            idx, cand = _kernel_read(state, layer, q, indexed, prefix, sinks, recent, n), None
+            top = None if idx is None else idx[..., sinks:sinks + cfg.k]
             if top is None:
                 scores = _scores(state, layer, q, indexed, prefix)
                 scores[..., :sinks] = float("-inf")
@@ -274,7 +311,9 @@ def select(
         top = cand.gather(-1, sub.topk(min(cfg.k, cand.shape[-1]), -1).indices)
     else:
         top = state.source["top"]
-    idx = torch.cat([fixed.expand(b, heads, -1), top], -1).sort(-1).values
+    if idx is None:  # sinks + recent window (disjoint from the picks), then every position ascending
+        fixed = torch.cat([torch.arange(sinks), torch.arange(recent, n)])
+        idx = torch.cat([fixed.expand(b, heads, -1), top], -1).sort(-1).values
     state.bytes_read += idx.shape[-1] * heads * (kb + vb)
     state.dense_bytes += n * heads * (kb + vb)
     state.picked[layer] = idx

@@ -326,6 +326,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reads_in_registers", []() { return kv::READS_IN_REGISTERS; }, "whether token-major codes are read in registers");
   m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
   m.def("topk_positions", &topk_positions, "the k best index positions per KV head (sparse reads)");
+  m.def("read_positions", &read_positions, "the positions a sparse decode step reads per KV head: sinks, the k best, window");
+  m.def("hold_lowrank", &hold_lowrank, "lowrank index rows rounded to NVFP4 in place, under their largest magnitude's scale");
   m.def("decode_attention_varlen", &decode_attention_varlen, "decode attention for many sequences in one call");
   m.def("linear_rows", &kv::linear_rows, "y = x w^T + b for a decode step's few rows, batch-invariant");
   m.def("linear_rows_ok", &kv::linear_rows_ok, "whether this build computes linear_rows");

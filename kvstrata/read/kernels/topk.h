@@ -4,42 +4,76 @@
 // selection -- no score tensor, sort or sliced copy per layer and step.
 #pragma once
 
+#include "encode.h"
 #include "linalg.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 
 namespace kv {
 namespace {
+
+// A float's bits as an unsigned key in the float's order (-0 keyed as +0, which it equals).
+inline uint32_t order_key(float x) {
+  x += 0.0f;
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The k-th largest of s[0, n) (no NaN), exactly: a histogram of the keys' top 12 bits (sign,
+// exponent, 3 mantissa bits) finds the bin it lies in, then a selection over that bin's scores only
+// (one bin holds ~1/8 of scores of one binade; the rest never move).
+inline float kth_largest(const float* s, int64_t n, int64_t k, std::vector<float>& t) {
+  constexpr int SHIFT = 20;
+  std::vector<int32_t> hist(1 << (32 - SHIFT), 0);
+  for (int64_t i = 0; i < n; i++) hist[order_key(s[i]) >> SHIFT]++;
+  int64_t above = 0;
+  uint32_t bin = (1u << (32 - SHIFT)) - 1;
+  while (above + hist[bin] < k) above += hist[bin--];
+  t.clear();
+  for (int64_t i = 0; i < n; i++)
+    if ((order_key(s[i]) >> SHIFT) == bin) t.push_back(s[i]);
+  const int64_t j = k - above - 1;
+  std::nth_element(t.begin(), t.begin() + j, t.end(), std::greater<float>());
+  return t[j];
+}
+
+constexpr int64_t INDEX_TILE = 256;  // index rows scored together (16 KB at rank 16)
 
 // The k best of positions [lo, hi) for one KV head, ascending: q [G, r] queries, rows[i * rs ..]
 // index row i. A score that is NaN ranks last; equal scores rank the lower position first.
 inline void topk_one(const float* q, int G, int r, const float* rows, int64_t rs, int64_t lo, int64_t hi,
                      int64_t k, bool relu_sum, int64_t* out) {
   const int64_t n = hi - lo;
-  std::vector<float> s(n), t(n);
-  for (int g = 0; g < G; g++) {
-    float* dst = g == 0 ? s.data() : t.data();
-    dots(q + (int64_t)g * r, rows + lo * rs, (int)n, r, (int)rs, dst);
-    if (relu_sum) {
-      for (int64_t i = 0; i < n; i++) dst[i] = std::max(dst[i], 0.f);
-    }
-    if (g > 0) {
-      if (relu_sum)
-        for (int64_t i = 0; i < n; i++) s[i] += t[i];
-      else
-        for (int64_t i = 0; i < n; i++) s[i] = std::max(s[i], t[i]);
+  std::vector<float> s(n), t(std::max<int64_t>(n, INDEX_TILE));
+  // a tile of rows at a time, every query head over it while it sits in L1: the rows are read from
+  // memory once (each row's dot is the same whichever call holds it)
+  for (int64_t i0 = 0; i0 < n; i0 += INDEX_TILE) {
+    const int m = (int)std::min<int64_t>(INDEX_TILE, n - i0);
+    float* si = s.data() + i0;
+    for (int g = 0; g < G; g++) {
+      float* dst = g == 0 ? si : t.data();
+      dots(q + (int64_t)g * r, rows + (lo + i0) * rs, m, r, (int)rs, dst);
+      if (relu_sum) {
+        for (int i = 0; i < m; i++) dst[i] = std::max(dst[i], 0.f);
+      }
+      if (g > 0) {
+        if (relu_sum)
+          for (int i = 0; i < m; i++) si[i] += t[i];
+        else
+          for (int i = 0; i < m; i++) si[i] = std::max(si[i], t[i]);
+      }
     }
   }
   for (int64_t i = 0; i < n; i++)
     if (std::isnan(s[i])) s[i] = -std::numeric_limits<float>::infinity();
-  // the k-th best score by a selection over the scores themselves, then one ascending pass: every
-  // position above it, and of those equal to it the lowest ones
-  t.assign(s.begin(), s.end());
-  std::nth_element(t.begin(), t.begin() + (k - 1), t.end(), std::greater<float>());
-  const float kth = t[k - 1];
+  // the k-th best score, then one ascending pass: every position above it, and of those equal to it
+  // the lowest ones
+  const float kth = kth_largest(s.data(), n, k, t);
   int64_t above = 0;
   for (int64_t i = 0; i < n; i++) above += s[i] > kth;
   int64_t ties = k - above, m = 0;
@@ -51,10 +85,11 @@ inline void topk_one(const float* q, int G, int r, const float* rows, int64_t rs
 }  // namespace kv
 
 // q: [B, Hk, G, r] float32 (each KV head's query heads, projected as its index rows are); rows:
-// [B, Hk, n, r] float32 (last dim contiguous). Returns int64 [B, Hk, k]: per KV head the k positions
-// in [lo, hi) scoring highest, ascending.
-inline torch::Tensor topk_positions(torch::Tensor q, torch::Tensor rows, int64_t k, int64_t lo, int64_t hi,
-                                    bool relu_sum) {
+// [B, Hk, n, r] float32 (last dim contiguous). Per KV head, ascending: with `end` < 0 the k positions
+// in [lo, hi) scoring highest ([B, Hk, k]); else what a sparse step reads, [0, lo) (the sinks), those
+// k and [hi, end) (the recent window): [B, Hk, lo + k + end - hi].
+inline torch::Tensor read_positions(torch::Tensor q, torch::Tensor rows, int64_t k, int64_t lo, int64_t hi,
+                                    int64_t end, bool relu_sum) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32, "q must be float32 [B, Hk, G, r]");
   TORCH_CHECK(rows.dim() == 4 && rows.scalar_type() == torch::kFloat32 && rows.stride(-1) == 1,
               "rows must be float32 [B, Hk, n, r] with a contiguous last dimension");
@@ -62,15 +97,89 @@ inline torch::Tensor topk_positions(torch::Tensor q, torch::Tensor rows, int64_t
   const int64_t B = q.size(0), Hk = q.size(1), G = q.size(2), r = q.size(3), n = rows.size(2);
   TORCH_CHECK(rows.size(0) == B && rows.size(1) == Hk && rows.size(3) == r, "q and rows disagree on shape");
   TORCH_CHECK(0 <= lo && lo <= hi && hi <= n && 1 <= k && k <= hi - lo, "need 0 <= lo <= hi <= n and 1 <= k <= hi - lo");
-  auto out = torch::empty({B, Hk, k}, torch::dtype(torch::kInt64));
+  TORCH_CHECK(end < 0 || end >= hi, "need end >= hi (or end < 0: the k positions alone)");
+  const int64_t head = end < 0 ? 0 : lo, tail = end < 0 ? 0 : end - hi, width = head + k + tail;
+  auto out = torch::empty({B, Hk, width}, torch::dtype(torch::kInt64));
   const float* qp = q.data_ptr<float>();
   const float* rp = rows.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, B * Hk, 1, [&](int64_t a, int64_t b) {
     for (int64_t bh = a; bh < b; bh++) {
-      const float* head = rp + (bh / Hk) * rows.stride(0) + (bh % Hk) * rows.stride(1);
-      kv::topk_one(qp + bh * G * r, (int)G, (int)r, head, rows.stride(2), lo, hi, k, relu_sum, op + bh * k);
+      const float* heads = rp + (bh / Hk) * rows.stride(0) + (bh % Hk) * rows.stride(1);
+      int64_t* o = op + bh * width;
+      for (int64_t i = 0; i < head; i++) o[i] = i;
+      kv::topk_one(qp + bh * G * r, (int)G, (int)r, heads, rows.stride(2), lo, hi, k, relu_sum, o + head);
+      for (int64_t i = 0; i < tail; i++) o[head + k + i] = hi + i;
     }
   });
   return out;
+}
+
+inline torch::Tensor topk_positions(torch::Tensor q, torch::Tensor rows, int64_t k, int64_t lo, int64_t hi,
+                                    bool relu_sum) {
+  return read_positions(q, rows, k, lo, hi, -1, relu_sum);
+}
+
+// Lowrank index rows as the index holds them, kept up in place (`kvstrata.read.sparse._held_rows`):
+// raw: [B, Hk, >= n, r] float32 index rows; held: [B, Hk, >= n, r] float32, rows [0, kept) already
+// rounded under `kept_scale`. The largest magnitude of rows [0, stable) is `top` (that of rows
+// [counted, stable) joins it here), of all n rows `top` and rows [stable, n); the tensor scale is
+// NVFP4's for it (`tensor_scale`, in float32). Rows from `kept` (from 0 when the scale moved) are
+// rounded to NVFP4 under it as the codec's round trip does, block by block along r. Returns (largest
+// magnitude of rows [0, stable), the scale, the first row rounded), or a first row of -1 when a row
+// is not finite (nothing rounded: the caller refuses as the codec does).
+inline std::vector<double> hold_lowrank(torch::Tensor raw, torch::Tensor held, int64_t counted, int64_t stable,
+                                        int64_t n, double top, int64_t kept, double kept_scale) {
+  TORCH_CHECK(raw.dim() == 4 && raw.scalar_type() == torch::kFloat32 && raw.stride(-1) == 1 &&
+                  held.dim() == 4 && held.scalar_type() == torch::kFloat32 && held.stride(-1) == 1,
+              "raw and held must be float32 [B, Hk, rows, r] with a contiguous last dimension");
+  const int64_t B = raw.size(0), Hk = raw.size(1), r = raw.size(3);
+  TORCH_CHECK(held.size(0) == B && held.size(1) == Hk && held.size(3) == r && r % 16 == 0,
+              "raw and held disagree on shape, or r is not a multiple of 16");
+  TORCH_CHECK(0 <= counted && 0 <= stable && stable <= n && n <= raw.size(2) && n <= held.size(2) &&
+                  0 <= kept && kept <= n, "need 0 <= counted, stable <= n <= rows and 0 <= kept <= n");
+  const float* rp = raw.data_ptr<float>();
+  float* hp = held.data_ptr<float>();
+  auto row = [&](const float* base, int64_t bh, int64_t i) {
+    return base + (bh / Hk) * raw.stride(0) + (bh % Hk) * raw.stride(1) + i * raw.stride(2);
+  };
+  auto amax = [&](int64_t a, int64_t b, float m) {
+    for (int64_t bh = 0; bh < B * Hk; bh++)
+      for (int64_t i = a; i < b; i++) {
+        const float* x = row(rp, bh, i);
+        for (int64_t c = 0; c < r; c++) m = std::max(m, std::fabs(x[c]));
+      }
+    return m;
+  };
+  const float top_stable = amax(std::min(counted, stable), stable, (float)top);
+  const float wanted = amax(stable, n, top_stable) / (448.0f * 6.0f);
+  const float scale = wanted >= 0x1p-100f ? wanted : 1.0f;
+  const int64_t from = (double)scale == kept_scale ? kept : 0;
+  for (int64_t bh = 0; bh < B * Hk; bh++)
+    for (int64_t i = from; i < n; i++)
+      for (int64_t c = 0; c < r; c++)
+        if (!std::isfinite(row(rp, bh, i)[c])) return {top_stable, scale, -1.0};
+  constexpr float VALUES[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float tiny = std::numeric_limits<float>::min();
+  for (int64_t bh = 0; bh < B * Hk; bh++)
+    for (int64_t i = from; i < n; i++) {
+      const float* x = row(rp, bh, i);
+      float* y = hp + (bh / Hk) * held.stride(0) + (bh % Hk) * held.stride(1) + i * held.stride(2);
+      for (int64_t c0 = 0; c0 < r; c0 += 16) {
+        float m = 0.0f;
+        for (int c = 0; c < 16; c++) m = std::max(m, std::fabs(x[c0 + c]));
+        const float eff = static_cast<float>(c10::Float8_e4m3fn(m / 6.0f / scale)) * scale;
+        const float div = std::max(eff, tiny);
+        for (int c = 0; c < 16; c++) {
+          if (!(eff > 0.0f)) {
+            y[c0 + c] = 0.0f;
+            continue;
+          }
+          const uint8_t code = kv::e2m1_code(x[c0 + c] / div);
+          const float v = VALUES[code & 7] * eff;
+          y[c0 + c] = code & 8 ? -v : v;
+        }
+      }
+    }
+  return {top_stable, scale, (double)from};
 }

@@ -1,0 +1,85 @@
+"""The C++ top-k read kernels against the PyTorch path: index rows held in NVFP4 in place
+(`hold_lowrank`), the k best positions with ties and a sampled threshold, and the positions a step
+reads (sinks, picks, window) in one call."""
+
+import pytest
+import torch
+
+from kvstrata.codecs.nvfp4 import tensor_scale
+from kvstrata.read.indexers import held
+from kvstrata.read.kernels import cpu
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = cpu.load()
+    if module is None:
+        pytest.fail("the C++ kernel did not build (see the warning above)")
+    return module
+
+
+def rows_with_spread(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 3, n, 32, generator=g) * torch.logspace(-3, 1, 32)
+
+
+def test_held_rows_are_the_codecs_round_trip_bit_for_bit(kernel):
+    raw = rows_with_spread(50, 1)
+    buf = torch.full_like(raw, float("nan"))
+    top, scale, first = kernel.hold_lowrank(raw, buf, 0, 40, 50, 0.0, 0, -1.0)
+    assert first == 0
+    assert top == raw[..., :40, :].abs().amax().item()  # the stable rows' largest magnitude
+    assert scale == tensor_scale(raw.abs().amax()).item()  # the scale of every row held
+    assert torch.equal(buf, held("lowrank", raw, torch.tensor(scale)))
+
+
+def test_rows_kept_under_their_scale_are_not_rounded_again(kernel):
+    raw = rows_with_spread(64, 2)
+    raw[..., 60:, :] *= 1e-3  # new rows smaller than the largest held: the scale holds
+    buf = torch.zeros_like(raw)
+    top, scale, _ = kernel.hold_lowrank(raw, buf, 0, 60, 60, 0.0, 0, -1.0)
+    sentinel = buf[..., :60, :].clone()
+    top2, scale2, first = kernel.hold_lowrank(raw, buf, 60, 60, 64, top, 60, scale)
+    assert (first, scale2, top2) == (60, scale, top)
+    assert torch.equal(buf[..., :60, :], sentinel)
+    assert torch.equal(buf, held("lowrank", raw, torch.tensor(scale)))
+    raw[0, 1, 63, 5] = 1e4  # a new largest magnitude moves the scale: every row is rounded again
+    _, scale3, first = kernel.hold_lowrank(raw, buf, 60, 60, 64, top, 60, scale)
+    assert first == 0 and scale3 != scale
+    assert torch.equal(buf, held("lowrank", raw, torch.tensor(scale3)))
+
+
+def test_a_non_finite_row_is_refused_and_nothing_is_rounded(kernel):
+    raw = rows_with_spread(20, 3)
+    raw[1, 2, 17, 0] = float("inf")
+    buf = torch.zeros_like(raw)
+    *_, first = kernel.hold_lowrank(raw, buf, 0, 20, 20, 0.0, 0, -1.0)
+    assert first == -1 and not buf.any()
+    with pytest.raises(RuntimeError, match="counted, stable <= n"):
+        kernel.hold_lowrank(raw, buf, 0, 21, 20, 0.0, 0, -1.0)
+
+
+@pytest.mark.parametrize("n, k, levels", [(8192, 512, 0), (8192, 512, 5), (4000, 1999, 0), (600, 40, 3)])
+def test_the_k_best_equal_a_stable_sort_whatever_the_ties(kernel, n, k, levels):
+    """Lowest positions first among equal scores; `levels` > 0 makes most scores tie (the sampled
+    threshold then passes more than k, or fewer, and the selection still ends exact)."""
+    g = torch.Generator().manual_seed(n + k)
+    rows = (torch.randn(1, 2, n, 16, generator=g) * 8).round() / 8  # sums exact in any order
+    if levels:
+        rows = rows.round().clamp(-levels, levels)
+    q = torch.ones(1, 2, 1, 16)
+    got = kernel.topk_positions(q, rows, k, 4, n - 64, False)
+    scores = (rows @ q[0, :, 0, :, None])[..., 0][..., 4:n - 64]
+    order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k] + 4
+    assert torch.equal(got, order.sort(-1).values)
+
+
+def test_read_positions_are_sinks_picks_and_window_ascending(kernel):
+    g = torch.Generator().manual_seed(5)
+    rows, q = torch.randn(2, 3, 700, 16, generator=g), torch.randn(2, 3, 3, 16, generator=g)
+    top = kernel.topk_positions(q, rows, 50, 4, 636, False)
+    got = kernel.read_positions(q, rows, 50, 4, 636, 700, False)
+    fixed = torch.cat([torch.arange(4), torch.arange(636, 700)]).expand(2, 3, -1)
+    assert torch.equal(got, torch.cat([fixed, top], -1).sort(-1).values)
+    with pytest.raises(RuntimeError, match="end >= hi"):
+        kernel.read_positions(q, rows, 50, 4, 636, 600, False)
