@@ -26,7 +26,7 @@ from kvstrata.hf.segments import (
     append_many,
     drop_front,
     encode_segment,
-    probe_segment,
+    probe_row_bytes,
     shrink,
 )
 from kvstrata.methods import StoreRecipe
@@ -264,9 +264,7 @@ class CompressedLayer(CacheLayerMixin):
 
     def row_bytes(self, tokens: int = 256) -> tuple[float, float]:
         """Bytes one token's K row and V row take per KV head once encoded (averaged over a chunk)."""
-        d = self.keys.shape[-1] if self.is_initialized else 0
-        seg = probe_segment(self.recipe, 1, d, tokens)
-        return held_bytes(seg.keys.parts.values()) / tokens, held_bytes(seg.values.parts.values()) / tokens
+        return probe_row_bytes(self.recipe, self.keys.shape[-1] if self.is_initialized else 0, tokens)
 
     def nbytes(self) -> int:
         """Bytes held: encoded segments (codes, scales, spare rows), sink, transform state and tail."""

@@ -7,12 +7,14 @@ and decode attention walks them without copying. Spare rows are real memory and 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from kvstrata.codecs import QTensor
 from kvstrata.codecs.base import SharedScale
+from kvstrata.codecs.qtensor import held_bytes
 from kvstrata.codecs.transform import IDENTITY, Fitted
 from kvstrata.methods import StoreRecipe
 from kvstrata.read.decode import decode_run, token_rows
@@ -121,6 +123,14 @@ def probe_segment(recipe: StoreRecipe, kv_heads: int, head_dim: int, tokens: int
     """`tokens` zero tokens encoded with `recipe` (transform side parts included), for counting bytes."""
     z = torch.zeros(1, kv_heads, tokens, head_dim)
     return encode_segment(recipe, z, z, Fitted.fit(recipe.transforms, z))
+
+
+@functools.lru_cache(maxsize=256)
+def probe_row_bytes(recipe: StoreRecipe, head_dim: int, tokens: int = 256) -> tuple[float, float]:
+    """Bytes one token's K row and V row take per KV head under `recipe` (a probe of `tokens` zero
+    tokens encoded once per recipe and head size: a read state asks per layer, at its first step)."""
+    seg = probe_segment(recipe, 1, head_dim, tokens)
+    return held_bytes(seg.keys.parts.values()) / tokens, held_bytes(seg.values.parts.values()) / tokens
 
 
 def has_room(recipe: StoreRecipe, seg: Segment, n: int) -> bool:

@@ -13,6 +13,8 @@ and `score` (per query).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvstrata.codecs import get_codec, quantize
@@ -85,6 +87,7 @@ def lowrank(q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor) -> torch.Tens
     return score("lowrank", q, held("lowrank", index_rows("lowrank", k, basis)), basis)
 
 
+@functools.lru_cache(maxsize=256)
 def index_row_bytes(indexer: str, d: int, rank: int, k_row: float) -> float:
     """Bytes one index key takes per KV head: the K row itself (exact), an MXFP4 copy (lightning), or
     a `rank`-dim NVFP4 projection (lowrank); averaged over 256 rows so per-tensor scales amortise."""

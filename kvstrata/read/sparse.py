@@ -111,6 +111,8 @@ class ReadState:
     index: dict[int, tuple] = field(default_factory=dict)  # layer -> (generation, rows kept, index rows)
     # lowrank: layer -> ((generation, scale), rows kept, NVFP4 rows)
     held: dict[int, tuple] = field(default_factory=dict)
+    # lowrank, C++ kernel: layer -> the held rows again, transposed in tiles of 16 rows (`read_positions`)
+    tiles: dict[int, torch.Tensor] = field(default_factory=dict)
     # lowrank: layer -> (generation, rows kept, their largest |x|)
     amax: dict[int, tuple] = field(default_factory=dict)
     bytes_read: float = 0.0  # index rows scanned + entries gathered, all decode steps
@@ -150,11 +152,12 @@ def _kept(kept: dict, layer: int, tag, stable: int, empty):
 
 
 def _room(buf: torch.Tensor | None, kept: int, n: int, like: torch.Tensor) -> torch.Tensor:
-    """`buf` if it has room for `n` rows, else a buffer twice its size (at least `n` rows, shaped and
-    typed as `like` but for its rows) holding its first `kept` rows."""
+    """`buf` if it has room for `n` rows, else a buffer twice its size (a new one: `n` rows and an
+    eighth more, so decode steps after a prefill's index do not copy it at once; shaped and typed as
+    `like` but for its rows) holding its first `kept` rows."""
     if buf is not None and buf.shape[-2] >= n:
         return buf
-    rows = max(n, 2 * (0 if buf is None else buf.shape[-2]))
+    rows = max(n + n // 8 + 64, 2 * (0 if buf is None else buf.shape[-2]))
     grown = like.new_empty(*like.shape[:-2], rows, like.shape[-1])
     if kept:
         grown[..., :kept, :] = buf[..., :kept, :]
@@ -228,9 +231,16 @@ def _held_native(module, state: ReadState, layer: int, rows: torch.Tensor, gener
     counted, top = _kept(state.amax, layer, generation, stable, 0.0)
     entry = state.held.get(layer) if generation is not None else None
     ok = entry is not None and entry[0][0] == generation and entry[1] <= stable
-    kept, scale, buf = (entry[1], entry[0][1], entry[2]) if ok else (0, -1.0, entry and entry[2])
+    tiles = state.tiles.get(layer) if ok else None
+    kept, scale, buf = (entry[1], entry[0][1], entry[2]) if ok and tiles is not None else (0, -1.0, None)
     buf = _room(buf, kept, n, rows)
-    top, scale, first = module.hold_lowrank(rows, buf, counted, stable, n, float(top), kept, scale)
+    if tiles is None or tiles.shape[2] * 16 < buf.shape[-2]:  # the held rows transposed, 16 per tile
+        grown = rows.new_empty(*rows.shape[:2], -(-buf.shape[-2] // 16), rows.shape[-1], 16)
+        if kept:
+            grown[:, :, :-(-kept // 16)] = tiles[:, :, :-(-kept // 16)]
+        tiles = grown
+    state.tiles[layer] = tiles
+    top, scale, first = module.hold_lowrank(rows, buf, tiles, counted, stable, n, float(top), kept, scale)
     if first < 0:
         check_finite(rows, "nvfp4")  # a row is not finite: refused as the codec refuses it
     if generation is not None:
@@ -271,7 +281,9 @@ def _kernel_read(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor,
         return None
     rows = _held_rows(state, layer, _raw_rows(state, layer, k, prefix), prefix).float()
     qs = queries(cfg.indexer, q, rows.shape[1], state.bases.get(layer)).contiguous()
-    return module.read_positions(qs, rows, cfg.k, lo, hi, end, relu_sum(cfg.indexer))
+    tiles = state.tiles.get(layer) if cfg.indexer == "lowrank" else None  # just kept up with `rows`
+    read = rows if tiles is None else tiles
+    return module.read_positions(qs, read, cfg.k, lo, hi, end, relu_sum(cfg.indexer))
 
 
 def select(

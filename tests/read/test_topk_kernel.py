@@ -23,40 +23,56 @@ def rows_with_spread(n: int, seed: int) -> torch.Tensor:
     return torch.randn(2, 3, n, 32, generator=g) * torch.logspace(-3, 1, 32)
 
 
+def tiles_for(rows: torch.Tensor) -> torch.Tensor:
+    """A tile buffer for `rows` ([b, h, n, r] -> [b, h, ceil(n / 16), r, 16]), NaN until written."""
+    b, h, n, r = rows.shape
+    return torch.full((b, h, -(-n // 16), r, 16), float("nan"))
+
+
+def transposed(tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """The rows a tile buffer holds, `[b, h, n, r]`."""
+    return tiles.transpose(-1, -2).flatten(2, 3)[:, :, :n]
+
+
 def test_held_rows_are_the_codecs_round_trip_bit_for_bit(kernel):
     raw = rows_with_spread(50, 1)
-    buf = torch.full_like(raw, float("nan"))
-    top, scale, first = kernel.hold_lowrank(raw, buf, 0, 40, 50, 0.0, 0, -1.0)
+    buf, tiles = torch.full_like(raw, float("nan")), tiles_for(raw)
+    top, scale, first = kernel.hold_lowrank(raw, buf, tiles, 0, 40, 50, 0.0, 0, -1.0)
     assert first == 0
     assert top == raw[..., :40, :].abs().amax().item()  # the stable rows' largest magnitude
     assert scale == tensor_scale(raw.abs().amax()).item()  # the scale of every row held
     assert torch.equal(buf, held("lowrank", raw, torch.tensor(scale)))
+    assert torch.equal(transposed(tiles, 50), buf)  # the same rows, transposed in tiles of 16
 
 
 def test_rows_kept_under_their_scale_are_not_rounded_again(kernel):
     raw = rows_with_spread(64, 2)
     raw[..., 60:, :] *= 1e-3  # new rows smaller than the largest held: the scale holds
-    buf = torch.zeros_like(raw)
-    top, scale, _ = kernel.hold_lowrank(raw, buf, 0, 60, 60, 0.0, 0, -1.0)
+    buf, tiles = torch.zeros_like(raw), tiles_for(raw)
+    top, scale, _ = kernel.hold_lowrank(raw, buf, tiles, 0, 60, 60, 0.0, 0, -1.0)
     sentinel = buf[..., :60, :].clone()
-    top2, scale2, first = kernel.hold_lowrank(raw, buf, 60, 60, 64, top, 60, scale)
+    top2, scale2, first = kernel.hold_lowrank(raw, buf, tiles, 60, 60, 64, top, 60, scale)
     assert (first, scale2, top2) == (60, scale, top)
     assert torch.equal(buf[..., :60, :], sentinel)
     assert torch.equal(buf, held("lowrank", raw, torch.tensor(scale)))
+    assert torch.equal(transposed(tiles, 64), buf)
     raw[0, 1, 63, 5] = 1e4  # a new largest magnitude moves the scale: every row is rounded again
-    _, scale3, first = kernel.hold_lowrank(raw, buf, 60, 60, 64, top, 60, scale)
+    _, scale3, first = kernel.hold_lowrank(raw, buf, tiles, 60, 60, 64, top, 60, scale)
     assert first == 0 and scale3 != scale
     assert torch.equal(buf, held("lowrank", raw, torch.tensor(scale3)))
+    assert torch.equal(transposed(tiles, 64), buf)
 
 
 def test_a_non_finite_row_is_refused_and_nothing_is_rounded(kernel):
     raw = rows_with_spread(20, 3)
     raw[1, 2, 17, 0] = float("inf")
-    buf = torch.zeros_like(raw)
-    *_, first = kernel.hold_lowrank(raw, buf, 0, 20, 20, 0.0, 0, -1.0)
+    buf, tiles = torch.zeros_like(raw), tiles_for(raw)
+    *_, first = kernel.hold_lowrank(raw, buf, tiles, 0, 20, 20, 0.0, 0, -1.0)
     assert first == -1 and not buf.any()
     with pytest.raises(RuntimeError, match="counted, stable <= n"):
-        kernel.hold_lowrank(raw, buf, 0, 21, 20, 0.0, 0, -1.0)
+        kernel.hold_lowrank(raw, buf, tiles, 0, 21, 20, 0.0, 0, -1.0)
+    with pytest.raises(RuntimeError, match="tiles must be"):
+        kernel.hold_lowrank(raw, buf, tiles[:, :, :1], 0, 20, 20, 0.0, 0, -1.0)
 
 
 @pytest.mark.parametrize("n, k, levels", [(8192, 512, 0), (8192, 512, 5), (4000, 1999, 0), (600, 40, 3)])
@@ -69,6 +85,10 @@ def test_the_k_best_equal_a_stable_sort_whatever_the_ties(kernel, n, k, levels):
         rows = rows.round().clamp(-levels, levels)
     q = torch.ones(1, 2, 1, 16)
     got = kernel.topk_positions(q, rows, k, 4, n - 64, False)
+    tiles = torch.zeros(1, 2, -(-n // 16) * 16, 16)
+    tiles[:, :, :n] = rows
+    tiles = tiles.unflatten(2, (-1, 16)).transpose(-1, -2).contiguous()  # the same rows, tiled
+    assert torch.equal(kernel.topk_positions(q, tiles, k, 4, n - 64, False), got)
     scores = (rows @ q[0, :, 0, :, None])[..., 0][..., 4:n - 64]
     order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k] + 4
     assert torch.equal(got, order.sort(-1).values)
