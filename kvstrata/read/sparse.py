@@ -111,7 +111,8 @@ class ReadState:
     index: dict[int, tuple] = field(default_factory=dict)  # layer -> (generation, rows kept, index rows)
     # lowrank: layer -> ((generation, scale), rows kept, NVFP4 rows)
     held: dict[int, tuple] = field(default_factory=dict)
-    # lowrank, C++ kernel: layer -> the held rows again, transposed in tiles of 16 rows (`read_positions`)
+    # lowrank, C++ kernel: layer -> the held rows again, transposed in tiles of 16 rows (`read_positions`),
+    # kept beside `held[layer]`
     tiles: dict[int, torch.Tensor] = field(default_factory=dict)
     # lowrank: layer -> (generation, rows kept, their largest |x|)
     amax: dict[int, tuple] = field(default_factory=dict)
@@ -182,6 +183,7 @@ def _extend(kept: dict, layer: int, tag, stable: int, fn, src: torch.Tensor) -> 
 def _amax(kept: dict, layer: int, tag, stable: int, rows: torch.Tensor) -> torch.Tensor:
     """Largest magnitude of `rows`; that of the rows below `stable` is kept while `tag` holds."""
     done, top = _kept(kept, layer, tag, stable, rows.new_zeros(()))
+    top = top if torch.is_tensor(top) else rows.new_tensor(top)  # kept by the C++ path as a float
     if stable > done:
         top = torch.maximum(top, rows[..., done:stable, :].abs().amax())
     if tag is not None:
@@ -208,10 +210,10 @@ def _held_rows(state: ReadState, layer: int, rows: torch.Tensor, prefix: Stable)
     stable ones once while that scale holds."""
     if state.cfg.indexer != "lowrank" or not rows.shape[-2]:
         return rows
-    generation, stable = prefix if prefix is not None else (None, 0)
     module = _native_index(rows)
     if module is not None:
-        return _held_native(module, state, layer, rows, generation, stable)
+        return _held_native(module, state, layer, rows, prefix, tiled=_tiled(state))[0]
+    generation, stable = prefix if prefix is not None else (None, 0)
     scale = held_scale(_amax(state.amax, layer, generation, stable, rows))
     tag = None if generation is None else (generation, scale.item())
     return _extend(state.held, layer, tag, stable, lambda x: held("lowrank", x, scale), rows)
@@ -222,31 +224,42 @@ def _native_index(rows: torch.Tensor):
     return cpu.load() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
 
 
-def _held_native(module, state: ReadState, layer: int, rows: torch.Tensor, generation,
-                 stable: int) -> torch.Tensor:
+def _tiled(state: ReadState) -> bool:
+    """Whether the state's Full layers select in the kernel (`_kernel_read`), which scores the tiles."""
+    return not state.cfg.hier and not state.reindexes
+
+
+def _held_native(module, state: ReadState, layer: int, rows: torch.Tensor, prefix: Stable,
+                 tiled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`_held_rows` kept up in place by the C++ kernel (`hold_lowrank`: one call, the same rows,
-    largest magnitude and scale as the PyTorch path): rows held under the scale they were rounded at
-    are kept while it and the generation hold, the buffer grows by doubling."""
+    largest magnitude and scale as the PyTorch path), and with `tiled` the same rows transposed in
+    tiles of 16 (what `read_positions` scores). Rows held under the scale they were rounded at are
+    kept while it and the generation hold (tiles beside them); buffers grow by doubling."""
     n = rows.shape[-2]
+    generation, stable = prefix if prefix is not None else (None, 0)
+    stable = min(stable, n)
     counted, top = _kept(state.amax, layer, generation, stable, 0.0)
     entry = state.held.get(layer) if generation is not None else None
     ok = entry is not None and entry[0][0] == generation and entry[1] <= stable
-    tiles = state.tiles.get(layer) if ok else None
-    kept, scale, buf = (entry[1], entry[0][1], entry[2]) if ok and tiles is not None else (0, -1.0, None)
+    tiles = state.tiles.get(layer) if ok and tiled else None
+    reuse = ok and (tiles is not None or not tiled)
+    kept, scale, buf = (entry[1], entry[0][1], entry[2]) if reuse else (0, -1.0, None)
     buf = _room(buf, kept, n, rows)
-    if tiles is None or tiles.shape[2] * 16 < buf.shape[-2]:  # the held rows transposed, 16 per tile
+    if tiled and (tiles is None or tiles.shape[2] * 16 < buf.shape[-2]):
         grown = rows.new_empty(*rows.shape[:2], -(-buf.shape[-2] // 16), rows.shape[-1], 16)
         if kept:
             grown[:, :, :-(-kept // 16)] = tiles[:, :, :-(-kept // 16)]
         tiles = grown
-    state.tiles[layer] = tiles
-    top, scale, first = module.hold_lowrank(rows, buf, tiles, counted, stable, n, float(top), kept, scale)
+    top, scale, first = module.hold_lowrank(rows, buf, tiles if tiled else rows.new_empty(0), counted, stable,
+                                            n, float(top), kept, scale)
     if first < 0:
         check_finite(rows, "nvfp4")  # a row is not finite: refused as the codec refuses it
     if generation is not None:
         state.amax[layer] = (generation, stable, top)
         state.held[layer] = ((generation, scale), stable, buf)
-    return buf[..., :n, :]
+        if tiled:
+            state.tiles[layer] = tiles
+    return buf[..., :n, :], tiles
 
 
 def build_index(state: ReadState, layer: int, k: torch.Tensor, prefix: Stable) -> None:
@@ -279,10 +292,12 @@ def _kernel_read(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor,
     module = cpu.load() if q.device.type == "cpu" and not cfg.hier and not state.reindexes else None
     if module is None:
         return None
-    rows = _held_rows(state, layer, _raw_rows(state, layer, k, prefix), prefix).float()
-    qs = queries(cfg.indexer, q, rows.shape[1], state.bases.get(layer)).contiguous()
-    tiles = state.tiles.get(layer) if cfg.indexer == "lowrank" else None  # just kept up with `rows`
-    read = rows if tiles is None else tiles
+    raw = _raw_rows(state, layer, k, prefix)
+    if cfg.indexer == "lowrank" and raw.shape[-2] and _native_index(raw) is not None:
+        _, read = _held_native(module, state, layer, raw, prefix, tiled=True)  # its rows, tiled
+    else:
+        read = _held_rows(state, layer, raw, prefix).float()
+    qs = queries(cfg.indexer, q, read.shape[1], state.bases.get(layer)).contiguous()
     return module.read_positions(qs, read, cfg.k, lo, hi, end, relu_sum(cfg.indexer))
 
 

@@ -185,6 +185,8 @@ def test_kept_index_rows_read_like_index_rows_computed_afresh(tiny_llama, monkey
         torch.testing.assert_close(
             kept[..., :rows, :], held("lowrank", index, torch.tensor(scale)), atol=1e-5, rtol=0
         )
+        tiles = state.tiles[layer]  # the kernel scores the same rows, transposed in tiles of 16
+        assert torch.equal(tiles.transpose(-1, -2).flatten(2, 3)[:, :, :rows], kept[..., :rows, :])
         _, counted, top = state.amax[layer]  # the kept rows' largest magnitude, kept incrementally
         assert counted == rows
         torch.testing.assert_close(torch.as_tensor(top), index.abs().amax(), atol=1e-5, rtol=0)

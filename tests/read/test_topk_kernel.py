@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvstrata.codecs.nvfp4 import tensor_scale
+from kvstrata.read import TopK, sparse
 from kvstrata.read.indexers import held
 from kvstrata.read.kernels import cpu
 
@@ -85,7 +86,7 @@ def test_the_k_best_equal_a_stable_sort_whatever_the_ties(kernel, n, k, levels):
         rows = rows.round().clamp(-levels, levels)
     q = torch.ones(1, 2, 1, 16)
     got = kernel.topk_positions(q, rows, k, 4, n - 64, False)
-    tiles = torch.zeros(1, 2, -(-n // 16) * 16, 16)
+    tiles = torch.full((1, 2, -(-n // 16) * 16, 16), float("nan"))  # padding never scored into a pick
     tiles[:, :, :n] = rows
     tiles = tiles.unflatten(2, (-1, 16)).transpose(-1, -2).contiguous()  # the same rows, tiled
     assert torch.equal(kernel.topk_positions(q, tiles, k, 4, n - 64, False), got)
@@ -103,3 +104,29 @@ def test_read_positions_are_sinks_picks_and_window_ascending(kernel):
     assert torch.equal(got, torch.cat([fixed, top], -1).sort(-1).values)
     with pytest.raises(RuntimeError, match="end >= hi"):
         kernel.read_positions(q, rows, 50, 4, 636, 600, False)
+
+
+def held_in_torch(state, layer, rows, prefix, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(sparse, "_native_index", lambda rows: None)
+        return sparse._held_rows(state, layer, rows, prefix)
+
+
+def test_index_rows_kept_in_place_equal_the_torch_path_across_growth_and_generations(kernel, monkeypatch):
+    """Decode steps one row at a time past the buffers' growth (kept rows not a whole tile), a scale
+    change, a step with nothing kept (generation None) and a new generation: the rows held in place,
+    and their tiles, equal what the PyTorch path holds."""
+    ours, ref = (sparse.ReadState(cfg=TopK(k=4, indexer="lowrank"), modes={0: "F"}) for _ in range(2))
+    raw = rows_with_spread(400, 4)[:1, :2, :, :16].contiguous()
+    steps = [(gen, n) for gen, n in [(1, 37), (1, 38), (1, 39)] + [(1, m) for m in range(40, 140, 7)]
+             + [(None, 150), (1, 151), (2, 152), (2, 153)]]
+    raw[0, 1, 100, 3] = 50.0  # a new largest magnitude, reached mid-way: every row rounded again
+    for gen, n in steps:
+        prefix = None if gen is None else (gen, n - 1)  # the newest row not stable yet
+        got = sparse._held_rows(ours, 0, raw[..., :n, :], prefix)
+        want = held_in_torch(ref, 0, raw[..., :n, :], prefix, monkeypatch)
+        assert torch.equal(got, want), (gen, n)
+        if gen is not None:
+            assert torch.equal(transposed(ours.tiles[0], n), got), (gen, n)
+            assert float(ours.amax[0][2]) == float(ref.amax[0][2])
+    assert ours.tiles[0].shape[2] * 16 >= 153 and ours.held[0][2].shape[-2] > 37  # the buffers grew

@@ -175,7 +175,7 @@ inline torch::Tensor topk_positions(torch::Tensor q, torch::Tensor rows, int64_t
 // Lowrank index rows as the index holds them, kept up in place (`kvstrata.read.sparse._held_rows`):
 // raw: [B, Hk, >= n, r] float32 index rows; held: [B, Hk, >= n, r] float32, rows [0, kept) already
 // rounded under `kept_scale`; tiles: the held rows again, transposed in tiles of 16 rows
-// ([B, Hk, >= n / 16, r, 16], what `read_positions` scores fastest). The largest magnitude of rows [0, stable) is `top` (that of rows
+// ([B, Hk, >= n / 16, r, 16], what `read_positions` scores fastest), or empty (none kept). The largest magnitude of rows [0, stable) is `top` (that of rows
 // [counted, stable) joins it here), of all n rows `top` and rows [stable, n); the tensor scale is
 // NVFP4's for it (`tensor_scale`, in float32). Rows from `kept` (from 0 when the scale moved) are
 // rounded to NVFP4 under it as the codec's round trip does, block by block along r. Returns (largest
@@ -192,13 +192,15 @@ inline std::vector<double> hold_lowrank(torch::Tensor raw, torch::Tensor held, t
               "raw and held disagree on shape, or r is not a multiple of 16");
   TORCH_CHECK(0 <= counted && 0 <= stable && stable <= n && n <= raw.size(2) && n <= held.size(2) &&
                   0 <= kept && kept <= n, "need 0 <= counted, stable <= n <= rows and 0 <= kept <= n");
-  TORCH_CHECK(tiles.dim() == 5 && tiles.scalar_type() == torch::kFloat32 && tiles.size(0) == B &&
-                  tiles.size(1) == Hk && tiles.size(3) == r && tiles.size(4) == 16 && tiles.size(2) * 16 >= n &&
-                  tiles.stride(4) == 1 && tiles.stride(3) == 16 && tiles.stride(2) == r * 16,
-              "tiles must be float32 [B, Hk, >= n / 16, r, 16], contiguous past dim 1");
+  const bool tiled = tiles.numel() > 0;
+  TORCH_CHECK(!tiled || (tiles.dim() == 5 && tiles.scalar_type() == torch::kFloat32 && tiles.size(0) == B &&
+                         tiles.size(1) == Hk && tiles.size(3) == r && tiles.size(4) == 16 &&
+                         tiles.size(2) * 16 >= n && tiles.stride(4) == 1 && tiles.stride(3) == 16 &&
+                         tiles.stride(2) == r * 16),
+              "tiles must be float32 [B, Hk, >= n / 16, r, 16], contiguous past dim 1 (or empty: none kept)");
   const float* rp = raw.data_ptr<float>();
   float* hp = held.data_ptr<float>();
-  float* tp = tiles.data_ptr<float>();
+  float* tp = tiled ? tiles.data_ptr<float>() : nullptr;
   auto row = [&](const float* base, int64_t bh, int64_t i) {
     return base + (bh / Hk) * raw.stride(0) + (bh % Hk) * raw.stride(1) + i * raw.stride(2);
   };
@@ -224,7 +226,6 @@ inline std::vector<double> hold_lowrank(torch::Tensor raw, torch::Tensor held, t
     for (int64_t i = from; i < n; i++) {
       const float* x = row(rp, bh, i);
       float* y = hp + (bh / Hk) * held.stride(0) + (bh % Hk) * held.stride(1) + i * held.stride(2);
-      float* T = tp + (bh / Hk) * tiles.stride(0) + (bh % Hk) * tiles.stride(1) + (i / 16) * tiles.stride(2) + i % 16;
       for (int64_t c0 = 0; c0 < r; c0 += 16) {
         float m = 0.0f;
         for (int c = 0; c < 16; c++) m = std::max(m, std::fabs(x[c0 + c]));
@@ -240,7 +241,10 @@ inline std::vector<double> hold_lowrank(torch::Tensor raw, torch::Tensor held, t
           y[c0 + c] = code & 8 ? -v : v;
         }
       }
-      for (int64_t c = 0; c < r; c++) T[c * 16] = y[c];  // the same row, transposed into its tile
+      if (tiled) {  // the same row, transposed into its tile
+        float* T = tp + (bh / Hk) * tiles.stride(0) + (bh % Hk) * tiles.stride(1) + (i / 16) * tiles.stride(2) + i % 16;
+        for (int64_t c = 0; c < r; c++) T[c * 16] = y[c];
+      }
     }
   return {top_stable, scale, (double)from};
 }
