@@ -27,6 +27,7 @@ def test_kvpress_presses_run_on_our_instances(tmp_path):
             r = by[(task, method)]
             assert r["peer"].startswith("kvpress 0.5.5 (transformers 5.2.0)")
             assert r["context_tokens"] == ref["context_tokens"]
+            assert r["dtype"] == ref["dtype"] == "float32"  # the worker runs the model as the bench's rows do
             # 30 layers x 3 KV heads, each keeping int(n * keep) positions; bytes counted from what is held
             assert r["kv_entries_held"] == 30 * 3 * int(r["context_tokens"] * keep)
             assert r["kv_bytes"] == r["kv_entries_held"] * 64 * 2 * 2

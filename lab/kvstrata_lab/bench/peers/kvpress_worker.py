@@ -63,8 +63,8 @@ def pressed_prefill(model, ids: torch.Tensor, peer: PeerSpec):
     return cache, time.perf_counter() - t0
 
 
-def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str):
-    """Yield one row per press of the cell as soon as it is done."""
+def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str, dtype: str = "float32"):
+    """Yield one row per press of the cell as soon as it is done (`dtype`: the model's, recorded)."""
     inst = make_instance(cell["task"], tok, cell["length"], cell["index"], seed, haystack)
     ids = tok(inst.context, return_tensors="pt").input_ids
     n = ids.shape[1]
@@ -77,8 +77,8 @@ def run_cell(model, tok, model_name: str, cell: dict, seed: int, haystack: str):
         ref = forward(model, cont, dense, logits_to_keep=cont.shape[1])[0]
     for method in cell["methods"]:
         peer = parse_peer(method)
-        row = dict(cell_base(model, model_name, cell["length"], inst, n, None), method=method, family="peer",
-                   peer=describe())
+        row = dict(cell_base(model, model_name, cell["length"], inst, n, None), dtype=dtype, method=method,
+                   family="peer", peer=describe())
         try:
             cache, seconds = pressed_prefill(model, ids, peer)
             held = held_bytes(cache)
@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     out, sys.stdout = sys.stdout, sys.stderr  # libraries' prints must not mix with rows
 
     hf_logging.disable_progress_bar()
-    model, tok = load(req["model_path"])
+    dtype = req.get("dtype", "float32")  # the bench's --dtype: peers run the model as our rows do
+    model, tok = load(req["model_path"], dtype)
     for cell in req["cells"]:
-        for row in run_cell(model, tok, req["model"], cell, req["seed"], req["haystack"]):
+        for row in run_cell(model, tok, req["model"], cell, req["seed"], req["haystack"], dtype):
             out.write(json.dumps(row) + "\n")
             out.flush()
     return 0

@@ -30,7 +30,7 @@ def run_kvpress(cfg, cells: list[tuple], methods: list[str], done: set[tuple], p
                for c in cs), desc="kvpress rows", unit="row")
     for model_name, todo in work.items():
         request = {"model": model_name, "model_path": str(resolve(model_name)), "cells": todo,
-                   "seed": cfg.seed, "haystack": cfg.haystack}
+                   "seed": cfg.seed, "haystack": cfg.haystack, "dtype": cfg.dtype}
         with tempfile.NamedTemporaryFile(
             "w", suffix=".json", dir=cfg.out, prefix=".kvpress-", delete=False
         ) as tmp:
