@@ -208,15 +208,21 @@ def _raw_rows(state: ReadState, layer: int, k: torch.Tensor, prefix: Stable) -> 
 def _held_rows(state: ReadState, layer: int, rows: torch.Tensor, prefix: Stable) -> torch.Tensor:
     """`rows` as the index holds them: lowrank rows rounded to NVFP4 under one tensor scale, the
     stable ones once while that scale holds."""
+    return _index_rows(state, layer, rows, prefix)[0]
+
+
+def _index_rows(state: ReadState, layer: int, rows: torch.Tensor,
+                prefix: Stable) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`_held_rows`, and where the kernel selects, the same rows transposed in tiles of 16, else None)."""
     if state.cfg.indexer != "lowrank" or not rows.shape[-2]:
-        return rows
+        return rows, None
     module = _native_index(rows)
     if module is not None:
-        return _held_native(module, state, layer, rows, prefix, tiled=_tiled(state))[0]
+        return _held_native(module, state, layer, rows, prefix, tiled=_tiled(state))
     generation, stable = prefix if prefix is not None else (None, 0)
     scale = held_scale(_amax(state.amax, layer, generation, stable, rows))
     tag = None if generation is None else (generation, scale.item())
-    return _extend(state.held, layer, tag, stable, lambda x: held("lowrank", x, scale), rows)
+    return _extend(state.held, layer, tag, stable, lambda x: held("lowrank", x, scale), rows), None
 
 
 def _native_index(rows: torch.Tensor):
@@ -289,14 +295,11 @@ def _kernel_read(state: ReadState, layer: int, q: torch.Tensor, k: torch.Tensor,
     sinks [0, lo), the top-k of [lo, hi) and the window [hi, end); or None where it does not apply
     (no kernel, hierarchical, Reindex candidates)."""
     cfg = state.cfg
-    module = cpu.load() if q.device.type == "cpu" and not cfg.hier and not state.reindexes else None
+    module = cpu.load() if q.device.type == "cpu" and _tiled(state) else None
     if module is None:
         return None
-    raw = _raw_rows(state, layer, k, prefix)
-    if cfg.indexer == "lowrank" and raw.shape[-2] and _native_index(raw) is not None:
-        _, read = _held_native(module, state, layer, raw, prefix, tiled=True)  # its rows, tiled
-    else:
-        read = _held_rows(state, layer, raw, prefix).float()
+    rows, tiles = _index_rows(state, layer, _raw_rows(state, layer, k, prefix), prefix)
+    read = tiles if tiles is not None else rows.float()
     qs = queries(cfg.indexer, q, read.shape[1], state.bases.get(layer)).contiguous()
     return module.read_positions(qs, read, cfg.k, lo, hi, end, relu_sum(cfg.indexer))
 
