@@ -6,7 +6,10 @@ the CPU, so a rebuild happens only when one of them changes. The decode path is 
 has (AVX-512, else AVX2, else scalar); `KVSTRATA_KERNEL_ISA=avx2|scalar` builds a lower one (tests
 check every path the machine can run against the reference), `=buffered` the best one with every tile
 decoded into a float buffer (the reference the in-register reads are tested against, bit for bit).
-If the build fails, callers fall back to the reference path and a one-line warning says why.
+`KVSTRATA_KERNEL_SCORES=int8` scores NVFP4 / MXFP4 keys in the codes' integer domain (`int8.h`: the
+query rounded to int8 per 16 values, AVX-512 VNNI), which moves scores by the query's rounding; the
+default `float` scores them as the reference does. If the build fails, callers fall back to the
+reference path and a one-line warning says why.
 `KVSTRATA_KERNELS=reference` skips it. Processes take turns on the build directory through an OS file
 lock, which dies with its holder: torch's own lock file outlives a process killed mid-build and would
 make every later one wait forever.
@@ -27,7 +30,7 @@ from kvstrata.codecs import nvfp4
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 HEADERS = tuple(Path(__file__).with_name(name)
-                for name in ("codes.h", "encode.h", "fused.h", "linalg.h", "linear.h", "topk.h"))
+                for name in ("codes.h", "encode.h", "fused.h", "int8.h", "linalg.h", "linear.h", "topk.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 # the instruction sets a build can be held to (GCC drops every extension built on the one removed)
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"],
@@ -42,6 +45,17 @@ def chosen_isa() -> str:
     if isa not in ISA_FLAGS:
         raise ValueError(f"KVSTRATA_KERNEL_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
     return isa
+
+
+SCORES = ("float", "int8")
+
+
+def chosen_scores() -> str:
+    """`KVSTRATA_KERNEL_SCORES` (default `float`), checked; the kernel reads it on every call."""
+    scores = os.environ.get("KVSTRATA_KERNEL_SCORES", "float")
+    if scores not in SCORES:
+        raise ValueError(f"KVSTRATA_KERNEL_SCORES={scores!r}: expected one of {', '.join(SCORES)}")
+    return scores
 
 
 def flags(isa: str = "native") -> list[str]:
@@ -89,6 +103,7 @@ def load(verbose: bool = False, isa: str | None = None):
     """The compiled module (built for `isa`, default `chosen_isa()`), or None (reference path) when
     disabled or the build failed."""
     isa = isa or chosen_isa()
+    chosen_scores()
     if isa in _state:
         return _state[isa]
     module = None

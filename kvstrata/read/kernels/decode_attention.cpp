@@ -9,11 +9,14 @@
 #include "codes.h"
 #include "encode.h"
 #include "fused.h"
+#include "int8.h"
 #include "linalg.h"
 #include "linear.h"
 #include "topk.h"
 
 #include <ATen/Parallel.h>
+
+#include <memory>
 
 namespace {
 
@@ -63,6 +66,8 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
                   const int64_t* rows, const float* q, int G, int d, int dp, int64_t b, int64_t h, float scaling,
                   float softcap, const float* bias, const int64_t* starts, int64_t total, Partial& out) {
   std::vector<float> kbuf(TILE * dp), vbuf(TILE * dp), s(G * TILE);
+  const bool int8 = int8_scores_asked();
+  std::unique_ptr<QInt8> qi;  // the query rounded to int8, once, where a run is scored in integers
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.f);
   out.acc.assign((size_t)G * d, 0.f);
@@ -77,6 +82,12 @@ void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Ti
         decode_channel_tile(kr, b, h, tile.row, n, d, kbuf.data());
         channel_scores(q, G, d, kbuf.data(), n, s.data());
       }
+    } else if (int8 && int8_scorable(kr, d, G)) {
+      if (!qi) {
+        qi = std::make_unique<QInt8>();
+        quantize_query(q, G, d, *qi);
+      }
+      int8_scores(kr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, G, *qi, s.data());
     } else if (fusable(kr, d, G)) {
       scores_from_codes(kr, b, h, rows ? rows + ti * TILE : nullptr, tile.row, n, d, q, G, s.data());
     } else {
@@ -323,6 +334,7 @@ std::vector<torch::Tensor> decode_attention_varlen(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", []() { return std::string(kv::isa()); }, "the instruction set this build decodes with");
+  m.def("int8_scores", []() { return kv::INT8_SCORES; }, "whether this build can score E2M1 keys in int8 (VNNI)");
   m.def("reads_in_registers", []() { return kv::READS_IN_REGISTERS; }, "whether token-major codes are read in registers");
   m.def("decode_attention", &decode_attention, "decode attention over encoded KV runs");
   m.def("topk_positions", &topk_positions, "the k best index positions per KV head (sparse reads)");

@@ -1,10 +1,14 @@
 """`kvstrata kernels-bench`: decode attention over caches of 2k … 64k tokens, every codec's fused
 kernel against SDPA over the same cache in bf16 and float32, and the machine's copy bandwidth on
-buffers of the same size, all in one run. Rows go to `OUT/kernels.jsonl`, a plot beside it."""
+buffers of the same size, all in one run; NVFP4 and MXFP4 also with keys scored in integers
+(`+int8q`, KVSTRATA_KERNEL_SCORES=int8) where the build can. Rows go to `OUT/kernels.jsonl`, a plot
+beside it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -25,6 +29,8 @@ from kvstrata_lab.bench.results import ReportInput, read_jsonl
 SHAPES = {"smollm2-135m": (9, 3, 64), "gemma3-270m": (4, 1, 256), "qwen2.5-coder-0.5b": (14, 2, 64),
           "qwen2.5-coder-1.5b": (12, 2, 128)}
 CODECS = ("bf16", "fp8", "nvfp4", "mxfp4", "int4:r=0", "int2:r=0")
+# codecs whose keys the kernel can also score in integers (KVSTRATA_KERNEL_SCORES=int8): a row each
+INT8_CODECS = ("nvfp4", "mxfp4")
 LENGTHS = (2048, 4096, 8192, 16384, 32768, 65536)
 
 
@@ -75,22 +81,40 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
     rows = [dict(base, codec="sdpa-bf16", seconds=sdpa_bf16, bytes=2 * kb.numel() * 2),
             dict(base, codec="sdpa-f32", seconds=sdpa_f32, bytes=2 * k.numel() * 4)]
     module = cpu.load()
-    for spec in CODECS:
+    int8 = module is not None and module.int8_scores()
+    for spec, scores in [(s, "float") for s in CODECS] + [(s, "int8") for s in INT8_CODECS if int8]:
         rec, seg, view = _encoded(spec, k, v)
         held = sum(t.numel() * t.element_size() for t in seg.parts())
-        if module is not None:
-            args = kernel_args(view, tk, tv)
-            qq, empty = q[:, :, 0].contiguous(), torch.empty(0, dtype=torch.int64)
-            no_bias = torch.empty(0)
-            kernel = _time(lambda: module.decode_attention(qq, *args, scale, 0.0, empty, no_bias), repeats)
-        else:
-            kernel = None
-        op = _time(lambda: decode_attention(q, view, tk, tv, scale), repeats)
+        with _scores(scores):
+            if module is not None:
+                args = kernel_args(view, tk, tv)
+                qq, empty = q[:, :, 0].contiguous(), torch.empty(0, dtype=torch.int64)
+                no_bias = torch.empty(0)
+                kernel = _time(lambda: module.decode_attention(qq, *args, scale, 0.0, empty, no_bias),
+                               repeats)
+            else:
+                kernel = None
+            op = _time(lambda: decode_attention(q, view, tk, tv, scale), repeats)
         bw = copy_bandwidth(held, repeats)
-        rows.append(dict(base, codec=rec.codec.name, spec=spec, seconds=op, kernel_seconds=kernel, bytes=held,
-                         copy_bytes_per_s=bw, effective_bytes_per_s=held / (kernel or op),
+        name = rec.codec.name + ("+int8q" if scores == "int8" else "")
+        rows.append(dict(base, codec=name, spec=spec, scores=scores, seconds=op, kernel_seconds=kernel,
+                         bytes=held, copy_bytes_per_s=bw, effective_bytes_per_s=held / (kernel or op),
                          vs_sdpa_bf16=op / sdpa_bf16, vs_sdpa_f32=op / sdpa_f32))
     return rows
+
+
+@contextlib.contextmanager
+def _scores(scores: str):
+    """Within the block the kernel scores keys as `scores` says (KVSTRATA_KERNEL_SCORES)."""
+    before = os.environ.get("KVSTRATA_KERNEL_SCORES")
+    os.environ["KVSTRATA_KERNEL_SCORES"] = scores
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVSTRATA_KERNEL_SCORES"]
+        else:
+            os.environ["KVSTRATA_KERNEL_SCORES"] = before
 
 
 def measure_cuda(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:

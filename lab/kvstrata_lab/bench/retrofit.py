@@ -152,6 +152,12 @@ def answer(model, tok, inst, q) -> dict:
     return {"output": res["output"], "score": score_answer(res["output"], q.answers)}
 
 
+def _kept_prefill(out: Path) -> list[dict]:
+    """A run without `--timing` keeps the prefill rows an earlier run of this directory measured."""
+    path = out / "result.json"
+    return json.loads(path.read_text()).get("prefill", []) if path.exists() else []
+
+
 def evaluate(cfg: EvalConfig) -> dict:
     """The evidence for one encoder-decoder directory; rows resume from `answers.jsonl`."""
     orig, tok = load(cfg.model, cfg.dtype)
@@ -163,7 +169,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "config": {k: str(v) for k, v in asdict(cfg).items()},
         "fit": fit,
         "attention_error": attention_errors(orig, ced, held),
-        "prefill": timings(orig, ced, tok, cfg.timing, cfg.repeats) if cfg.timing else [],
+        "prefill": timings(orig, ced, tok, cfg.timing, cfg.repeats) if cfg.timing else _kept_prefill(cfg.out),
     }
     if cfg.store_method:
         text = torch.cat(calibration_ids(tok, 2048, 3, 30_000, cfg.seed), dim=1)
