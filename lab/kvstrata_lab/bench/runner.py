@@ -112,6 +112,8 @@ def run_cell(model, tok, model_name, length, task, index, methods, specs, cfg, s
     pre = protocol.prefill(model, ids)
     base["prefill_s"] = pre.seconds
     base["dtype"] = cfg.dtype
+    if cpu.chosen_scores() != "float":  # keys scored in integers (KVSTRATA_KERNEL_SCORES): not the reference
+        base["kernel_scores"] = cpu.chosen_scores()
     base["linear"] = linear.in_use(model)  # torch's linear layers or the kernel's (`kvstrata.hf.linear`)
     rows = []
     ref = None
@@ -171,7 +173,7 @@ def _write_meta(cfg: BenchConfig) -> None:
     if before:  # done rows are keyed without the dtype: one directory holds one dtype's rows
         raise ValueError(f"{cfg.out} holds rows of a {before.pop()} model; run --dtype {cfg.dtype} into "
                          "another --out")
-    meta = {"dtype": cfg.dtype,
+    meta = {"dtype": cfg.dtype, "kernel_scores": cpu.chosen_scores(),
         "plan": cfg.plan(), "tasks": cfg.tasks, "methods": cfg.methods, "n": cfg.n, "seed": cfg.seed,
         "haystack": cfg.haystack, "torch": torch.__version__, "transformers": transformers.__version__,
         "threads": torch.get_num_threads(), "cores": os.cpu_count(), "machine": platform.machine(),

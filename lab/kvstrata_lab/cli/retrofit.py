@@ -103,6 +103,12 @@ def register(sub) -> None:
         f"{','.join(map(str, field_default(EvalConfig, 'timing')))})",
     )
     ev.add_argument(
+        "--repeats",
+        type=int_in(1, 100),
+        default=field_default(EvalConfig, "repeats"),
+        help="timed prefills per model and length, alternating; the median is kept (default %(default)s)",
+    )
+    ev.add_argument(
         "--dtype",
         choices=DTYPES,
         default=field_default(EvalConfig, "dtype"),
@@ -190,6 +196,7 @@ def run_eval(args) -> int:
         tasks=tasks,
         n=args.n,
         timing=args.timing,
+        repeats=args.repeats,
         dtype=args.dtype,
         store_method=args.store_method,
     )
