@@ -17,7 +17,6 @@ build without AVX-512 or without the extension (`KVSTRATA_KERNELS=reference`).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +30,7 @@ CHOICES = ("kernel", "torch")
 
 def chosen() -> str:
     """`KVSTRATA_LINEAR` (default `kernel`), checked."""
-    value = os.environ.get("KVSTRATA_LINEAR", "kernel")
-    if value not in CHOICES:
-        raise ValueError(f"KVSTRATA_LINEAR={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    return cpu.env_choice("KVSTRATA_LINEAR", CHOICES, "kernel")
 
 
 def kernel():

@@ -39,12 +39,17 @@ ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "scalar": ["-mno-avx"],
 _state: dict = {}
 
 
+def env_choice(name: str, choices, default: str) -> str:
+    """Environment variable `name` (default `default`), checked against `choices`: one clear error."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
 def chosen_isa() -> str:
     """`KVSTRATA_KERNEL_ISA` (default `native`: the best this CPU has), checked."""
-    isa = os.environ.get("KVSTRATA_KERNEL_ISA", "native")
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"KVSTRATA_KERNEL_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
-    return isa
+    return env_choice("KVSTRATA_KERNEL_ISA", ISA_FLAGS, "native")
 
 
 SCORES = ("float", "int8")
@@ -52,10 +57,7 @@ SCORES = ("float", "int8")
 
 def chosen_scores() -> str:
     """`KVSTRATA_KERNEL_SCORES` (default `float`), checked; the kernel reads it on every call."""
-    scores = os.environ.get("KVSTRATA_KERNEL_SCORES", "float")
-    if scores not in SCORES:
-        raise ValueError(f"KVSTRATA_KERNEL_SCORES={scores!r}: expected one of {', '.join(SCORES)}")
-    return scores
+    return env_choice("KVSTRATA_KERNEL_SCORES", SCORES, "float")
 
 
 def flags(isa: str = "native") -> list[str]:
