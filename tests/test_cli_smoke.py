@@ -506,11 +506,15 @@ def test_retrofit_eval(capsys, tmp_path, ced_dir):
     assert all(p["hit_equals_cold"] for r in store.values() for p in r["prompts"])
     assert [p["kind"] for p in store["projected"]["prompts"]] == ["replay", "hit"]  # n_win 64: 16 / 200 more
     assert store["hidden"]["decoder_bytes_per_token"] < store["projected"]["decoder_bytes_per_token"]
-    # a rerun without --timing (more answers, say) keeps the prefill rows the first run measured
+    # a rerun without --timing (more answers, say) keeps the prefill rows the first run measured, one
+    # timing other lengths adds its rows beside them
     rerun = argv.replace("--n 2", "--n 3").replace("--timing 300", "--timing ''")
     run(capsys, f"retrofit-eval {rerun} --store-method ''")
     again = json.loads((tmp_path / "result.json").read_text())
     assert again["prefill"] == result["prefill"] and again["answers"]["n"] == 3
+    run(capsys, f"retrofit-eval {rerun.replace(chr(39) * 2, '200')} --repeats 1 --store-method ''")
+    more = json.loads((tmp_path / "result.json").read_text())["prefill"]
+    assert [r["tokens"] for r in more] == [200, 300] and more[1] == result["prefill"][0]
 
 
 def test_step_bench(capsys, tmp_path):

@@ -153,9 +153,15 @@ def answer(model, tok, inst, q) -> dict:
 
 
 def _kept_prefill(out: Path) -> list[dict]:
-    """A run without `--timing` keeps the prefill rows an earlier run of this directory measured."""
+    """The prefill rows an earlier run of this directory measured."""
     path = out / "result.json"
     return json.loads(path.read_text()).get("prefill", []) if path.exists() else []
+
+
+def _prefill_rows(kept: list[dict], new: list[dict]) -> list[dict]:
+    """The rows just timed, and the earlier ones at lengths not timed again, by length."""
+    timed = {r["tokens"] for r in new}
+    return sorted([r for r in kept if r["tokens"] not in timed] + new, key=lambda r: r["tokens"])
 
 
 def evaluate(cfg: EvalConfig) -> dict:
@@ -169,7 +175,8 @@ def evaluate(cfg: EvalConfig) -> dict:
         "config": {k: str(v) for k, v in asdict(cfg).items()},
         "fit": fit,
         "attention_error": attention_errors(orig, ced, held),
-        "prefill": timings(orig, ced, tok, cfg.timing, cfg.repeats) if cfg.timing else _kept_prefill(cfg.out),
+        "prefill": _prefill_rows(_kept_prefill(cfg.out),
+                                 timings(orig, ced, tok, cfg.timing, cfg.repeats) if cfg.timing else []),
     }
     if cfg.store_method:
         text = torch.cat(calibration_ids(tok, 2048, 3, 30_000, cfg.seed), dim=1)
