@@ -61,12 +61,11 @@ struct Tile {
 
 
 // bias (or null): [G, total] scores added before scaling at each token's logical position (`starts`:
-// where each run's visible tokens begin)
+// where each run's visible tokens begin); int8: E2M1 keys scored in integers (int8.h)
 void attend_tiles(const std::vector<Run>& K, const std::vector<Run>& V, const Tile* tiles, int ntiles,
                   const int64_t* rows, const float* q, int G, int d, int dp, int64_t b, int64_t h, float scaling,
-                  float softcap, const float* bias, const int64_t* starts, int64_t total, Partial& out) {
+                  float softcap, const float* bias, const int64_t* starts, int64_t total, bool int8, Partial& out) {
   std::vector<float> kbuf(TILE * dp), vbuf(TILE * dp), s(G * TILE);
-  const bool int8 = int8_scores_asked();
   std::unique_ptr<QInt8> qi;  // the query rounded to int8, once, where a run is scored in integers
   out.m.assign(G, -std::numeric_limits<float>::infinity());
   out.l.assign(G, 0.f);
@@ -167,7 +166,7 @@ struct Problem {
   std::vector<float> scaled;  // per NVFP4 run: its 256 scale values times its tensor scale
   int64_t B = 0, Hq = 0, Hk = 1, total = 0, m = 0, units = 0, splits = 1;
   int d = 0, dp = 0, G = 1;
-  bool sparse = false, biased = false;
+  bool sparse = false, biased = false, int8 = false;  // int8: KVSTRATA_KERNEL_SCORES, read once per call
   int64_t work() const { return B * Hk * splits; }
 };
 
@@ -209,6 +208,7 @@ void prepare(Problem& p, const torch::Tensor& q, const std::vector<torch::Tensor
   TORCH_CHECK(p.Hq % p.Hk == 0, "query heads must be a multiple of KV heads");
   p.G = (int)(p.Hq / p.Hk);
   p.sparse = idx.defined() && idx.numel() > 0;
+  p.int8 = int8_scores_asked();
   for (const Run& r : p.K) {
     p.starts.push_back(p.total);
     p.total += r.visible();
@@ -234,7 +234,7 @@ void run_work(Problem& p, int64_t w, float scaling, float softcap) {
   const float* bg = p.biased ? p.bias.data_ptr<float>() + (b * p.Hq + h * p.G) * p.total : nullptr;
   if (!p.sparse) {
     attend_tiles(p.K, p.V, p.all.data() + u0, (int)(u1 - u0), nullptr, qg, p.G, p.d, p.dp, b, h, scaling, softcap, bg,
-                 p.starts.data(), p.total, p.parts[w]);
+                 p.starts.data(), p.total, p.int8, p.parts[w]);
     return;
   }
   // sparse: map each listed position to (run, row), in tiles of one run each
@@ -259,7 +259,7 @@ void run_work(Problem& p, int64_t w, float scaling, float softcap) {
     t.n++;
   }
   attend_tiles(p.K, p.V, tiles.data(), (int)tiles.size(), rows.data(), qg, p.G, p.d, p.dp, b, h, scaling, softcap, bg,
-               p.starts.data(), p.total, p.parts[w]);
+               p.starts.data(), p.total, p.int8, p.parts[w]);
 }
 
 // The slices' partial softmaxes merged: [B, Hq, d] float32.

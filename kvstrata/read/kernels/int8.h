@@ -29,7 +29,7 @@ constexpr bool INT8_SCORES = true;
 constexpr bool INT8_SCORES = false;
 #endif
 
-// Whether KVSTRATA_KERNEL_SCORES asks for integer-domain scores (read per call: tests switch it).
+// Whether KVSTRATA_KERNEL_SCORES asks for integer-domain scores (read once per kernel call: tests switch it).
 inline bool int8_scores_asked() {
   const char* v = std::getenv("KVSTRATA_KERNEL_SCORES");
   return v && std::strcmp(v, "int8") == 0;

@@ -6,13 +6,13 @@ beside it."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,7 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
     for spec, scores in [(s, "float") for s in CODECS] + [(s, "int8") for s in INT8_CODECS if int8]:
         rec, seg, view = _encoded(spec, k, v)
         held = sum(t.numel() * t.element_size() for t in seg.parts())
-        with _scores(scores):
+        with mock.patch.dict(os.environ, {"KVSTRATA_KERNEL_SCORES": scores}):
             if module is not None:
                 args = kernel_args(view, tk, tv)
                 qq, empty = q[:, :, 0].contiguous(), torch.empty(0, dtype=torch.int64)
@@ -101,20 +101,6 @@ def measure(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:
                          bytes=held, copy_bytes_per_s=bw, effective_bytes_per_s=held / (kernel or op),
                          vs_sdpa_bf16=op / sdpa_bf16, vs_sdpa_f32=op / sdpa_f32))
     return rows
-
-
-@contextlib.contextmanager
-def _scores(scores: str):
-    """Within the block the kernel scores keys as `scores` says (KVSTRATA_KERNEL_SCORES)."""
-    before = os.environ.get("KVSTRATA_KERNEL_SCORES")
-    os.environ["KVSTRATA_KERNEL_SCORES"] = scores
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["KVSTRATA_KERNEL_SCORES"]
-        else:
-            os.environ["KVSTRATA_KERNEL_SCORES"] = before
 
 
 def measure_cuda(shape_name: str, n: int, repeats: int, seed: int = 0) -> list[dict]:

@@ -121,7 +121,9 @@ def prefill_seconds(model, ids: torch.Tensor) -> float:
 
 
 def timings(orig, ced, tok, lengths, repeats: int) -> list[dict]:
-    """Prefill seconds of both models per length, alternating runs, medians."""
+    """Prefill seconds of both models per length, alternating runs, medians (none for no lengths)."""
+    if not lengths:
+        return []
     text, first = torch.zeros(1, 0, dtype=torch.long), 10_000
     while text.shape[1] < max(lengths):  # calibration texts end to end (one may fall short of its length)
         text = torch.cat([text, calibration_ids(tok, max(2048, max(lengths)), 1, first)[0]], dim=1)
@@ -175,8 +177,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "config": {k: str(v) for k, v in asdict(cfg).items()},
         "fit": fit,
         "attention_error": attention_errors(orig, ced, held),
-        "prefill": _prefill_rows(_kept_prefill(cfg.out),
-                                 timings(orig, ced, tok, cfg.timing, cfg.repeats) if cfg.timing else []),
+        "prefill": _prefill_rows(_kept_prefill(cfg.out), timings(orig, ced, tok, cfg.timing, cfg.repeats)),
     }
     if cfg.store_method:
         text = torch.cat(calibration_ids(tok, 2048, 3, 30_000, cfg.seed), dim=1)
